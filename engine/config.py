@@ -1,0 +1,61 @@
+"""The one frozen configuration of an engine.
+
+Every CLI option of `mlx-engine launch` is generated from a field here (see `engine.cli`); "auto"
+values are resolved by `resolve()` before the engine starts, and `validate()` is the one place that
+checks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = _opt(
+        None, "MLX / Hugging Face model directory or .gguf file; default: embedded SmolLM2-135M"
+    )
+    host: str = _opt("127.0.0.1", "Host the client endpoints bind to")
+    zmq_port: int = _opt(30001, "Port of the ZeroMQ SDK endpoint")
+    port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API")
+    max_running_requests: int = _opt(64, "Most requests decoding in one batch")
+    chunked_prefill_size: int = _opt(512, "Prompt tokens per prefill chunk")
+    max_prefill_tokens: int = _opt(2048, "Most prompt tokens processed in one step")
+    max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
+    mem_fraction: float = _opt(0.5, "Fraction of free device memory for the KV cache")
+    max_queued_requests: int = _opt(1024, "Requests waiting beyond this get Overloaded")
+    disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
+    shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
+    seed: int = _opt(0, "Seed of the engine's default random state")
+    log_level: str = _opt("info", "Log level: debug, info, warning, error")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> EngineConfig:
+        positive = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_total_tokens < 0:
+            raise ValueError("max_total_tokens must be >= 0")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.shutdown_grace < 0:
+            raise ValueError("shutdown_grace must be >= 0")
+        for name in ("zmq_port", "port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level}")
+        return self
+
+    @classmethod
+    def option_fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))

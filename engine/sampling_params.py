@@ -1,0 +1,62 @@
+"""Per-request sampling parameters: one definition for the wire, the SDK and the scheduler."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.errors import InvalidRequest
+
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int = 0  # top-n logprobs per generated token; 0: none
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise `InvalidRequest` naming the first bad field; return self when all are valid."""
+        _check(self.max_tokens > 0, "max_tokens", f"must be > 0, got {self.max_tokens}")
+        _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _check(0 <= self.seed < 2**63, "seed", f"must be in [0, 2**63), got {self.seed}")
+        _check(
+            0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+        )
+        _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            _check(not bad, "stop_token_ids", f"ids out of range [0, {vocab_size}): {bad}")
+        return self
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(field, message)

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random models (seconds) and the real default model (slow tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.random_model import TINY_LLAMA, TINY_QWEN3, make_random_model
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M, converted from its GGUF once and cached."""
+    from engine.models import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A 2-layer random llama sharing the default model's tokenizer."""
+    out = tmp_path_factory.mktemp("tiny-llama")
+    return make_random_model(out, TINY_LLAMA, tokenizer_from=default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A 2-layer random qwen3 (q/k norms, untied head) sharing the default tokenizer."""
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    return make_random_model(out, TINY_QWEN3, tokenizer_from=default_model_dir)
