@@ -68,4 +68,3 @@ def convert(src: Path | None, out: Path | None) -> None:
 
 if __name__ == "__main__":
     main()
-

