@@ -28,12 +28,18 @@ class EngineConfig:
     chunked_prefill_size: int = _opt(512, "Prompt tokens per prefill chunk")
     max_prefill_tokens: int = _opt(2048, "Most prompt tokens processed in one step")
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
+    context_length: int = _opt(
+        0, "Most tokens (prompt + generated) per request; 0: the model's limit, at most 4096"
+    )
     mem_fraction: float = _opt(0.5, "Fraction of free device memory for the KV cache")
     max_queued_requests: int = _opt(1024, "Requests waiting beyond this get Overloaded")
     disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
+    cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
+    cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
+    startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -43,10 +49,14 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.context_length < 0:
+            raise ValueError("context_length must be >= 0")
         if self.max_total_tokens < 0:
             raise ValueError("max_total_tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.startup_timeout <= 0:
+            raise ValueError("startup_timeout must be > 0")
         if self.shutdown_grace < 0:
             raise ValueError("shutdown_grace must be >= 0")
         for name in ("zmq_port", "port"):
@@ -56,6 +66,8 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
+        if self.cpu_dequantize not in ("auto", "on", "off"):
+            raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
 
     @classmethod

@@ -29,3 +29,15 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     """A 2-layer random qwen3 (q/k norms, untied head) sharing the default tokenizer."""
     out = tmp_path_factory.mktemp("tiny-qwen3")
     return make_random_model(out, TINY_QWEN3, tokenizer_from=default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random llama, weights only (no tokenizer): enough for the scheduler."""
+    return make_random_model(tmp_path_factory.mktemp("tiny-llama-w"), TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random qwen3, weights only (no tokenizer)."""
+    return make_random_model(tmp_path_factory.mktemp("tiny-qwen3-w"), TINY_QWEN3)

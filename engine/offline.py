@@ -1,0 +1,94 @@
+"""In-process engine for tests and benchmarks: the scheduler with no sockets and no processes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from scheduler_proc.output import StepOutput, TokenLogprob
+from scheduler_proc.scheduler import Scheduler
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+    def add(self, out: StepOutput) -> None:
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.finish_reason, self.error = out.finish_reason, out.error
+        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+
+
+class OfflineEngine:
+    def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
+        self.config = EngineConfig(model=model, **config_overrides).validate()
+        net, eos = load_for_scheduler(self.config.model)
+        self.scheduler = Scheduler(self.config, net, eos)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: dict[str, Any] | list[dict[str, Any]] | None = None,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion; one dict of sampling keywords applies to all."""
+        per_prompt = params if isinstance(params, list) else [params or {}] * len(prompts)
+        results = {}
+        for ids, kw in zip(prompts, per_prompt, strict=True):
+            rid = f"offline-{next(self._ids)}"
+            self.scheduler.submit(rid, list(ids), SamplingParams(**kw))
+            results[rid] = GenerationResult(rid)
+        pending = set(results)
+        while pending:
+            for out in self.scheduler.step():
+                if out.rid in results:
+                    results[out.rid].add(out)
+                    if out.finish_reason is not None:
+                        pending.discard(out.rid)
+        return list(results.values())
+
+    def stats(self) -> dict[str, int | float]:
+        return self.scheduler.stats()
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.scheduler.step()
+
+    def __enter__(self) -> OfflineEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def load_for_scheduler(model: str | None) -> tuple[Any, list[int]]:
+    """(model, eos ids); a weights-only directory (random test models) needs no tokenizer."""
+    from engine.models import load, resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
+        net, tokenizer = load(str(model_dir))
+        return net, sorted(tokenizer.eos_token_ids)
+    from mlx_lm.utils import load_model
+
+    net, _ = load_model(model_dir)
+    return net, _config_eos(model_dir)
+
+
+def _config_eos(model_dir: Path) -> list[int]:
+    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]

@@ -1,0 +1,41 @@
+"""One launched step: prefill chunks and/or a decode of rows `[0, B)`, with its lazy outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_proc.request import Req
+from scheduler_proc.sampling import Sampled, SamplerState
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Prompt tokens `[start, end)` of one request; the last chunk samples its first token."""
+
+    req: Req
+    start: int
+    end: int
+    out: Sampled | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.req.prompt_len
+
+
+@dataclass(eq=False)
+class Batch:
+    decode: list[Req]
+    chunks: list[Chunk] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # decode rows' KV write positions
+    sampler: SamplerState | None = None
+    chained: bool = False
+    step_index: int = -1  # stamped by prepare_launch
+    launch_ts: float | None = None  # stamped by prepare_launch, before graph building
+    decode_out: Sampled | None = None
+
+    @property
+    def pure_decode(self) -> bool:
+        return bool(self.decode) and not self.chunks
+
+    def reqs(self) -> list[Req]:
+        return self.decode + [c.req for c in self.chunks]

@@ -1,0 +1,73 @@
+"""A request's state inside the scheduler: waiting -> prefilling -> decoding -> finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from scheduler_proc.output import StepOutput, TokenLogprob
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new: int  # max_tokens, capped by the KV row length
+    stop_ids: frozenset[int]
+    state: State = State.WAITING
+    row: int | None = None  # KV row while it holds one
+    prefilled: int = 0  # prompt tokens launched into the KV
+    kv_len: int = 0  # tokens launched into the KV (prompt + decode inputs)
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    new_ids: list[int] = field(default_factory=list)  # not yet reported
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reported_finish: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+
+    def append(self, token: int, logprob: TokenLogprob | None) -> None:
+        """Record one generated token and finish on a stop id or the length limit."""
+        self.output_ids.append(token)
+        self.new_ids.append(token)
+        if logprob is not None:
+            self.new_logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish("stop")
+        elif len(self.output_ids) >= self.max_new:
+            self.finish("length")
+
+    def take_output(self) -> StepOutput:
+        out = StepOutput(
+            rid=self.rid,
+            token_ids=self.new_ids,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=len(self.output_ids),
+            logprobs=self.new_logprobs,
+            error=self.error,
+        )
+        self.new_ids, self.new_logprobs = [], []
+        self.reported_finish = self.finished
+        return out

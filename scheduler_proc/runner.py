@@ -1,0 +1,58 @@
+"""Builds a step's lazy graph on the slot KV cache and queues it with `mx.async_eval`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from scheduler_proc.batch import Batch, Chunk
+from scheduler_proc.kv_cache import KVPool
+from scheduler_proc.request import Req
+from scheduler_proc.sampling import RowParams, Sampled, build_state, sample
+
+
+def row_params(req: Req) -> RowParams:
+    return RowParams(req.params, req.seed, len(req.output_ids), req.input_ids, req.output_ids)
+
+
+class Runner:
+    def __init__(self, model: nn.Module, pool: KVPool, vocab: int) -> None:
+        self.model, self.pool, self.vocab = model, pool, vocab
+
+    def launch(self, batch: Batch, decode_inputs: mx.array | None) -> None:
+        """Build every forward of the batch and queue it; nothing here blocks."""
+        for chunk in batch.chunks:
+            self._prefill(chunk)
+        if batch.decode:
+            batch.decode_out = self._decode(batch, decode_inputs)
+        mx.async_eval(*_outputs(batch), *self.pool.state())
+
+    def decode_inputs(self, batch: Batch) -> mx.array:
+        return mx.array([r.output_ids[-1] for r in batch.decode], dtype=mx.int32)
+
+    def _prefill(self, chunk: Chunk) -> None:
+        req = chunk.req
+        tokens = mx.array(req.input_ids[chunk.start : chunk.end], dtype=mx.int32)[None]
+        logits = self.model(tokens, cache=self.pool.prefill_view(req.row, chunk.start))
+        req.kv_len = chunk.end
+        if chunk.last:
+            state = build_state([row_params(req)], self.vocab)
+            chunk.out = sample(logits[:, -1, :], state)
+
+    def _decode(self, batch: Batch, inputs: mx.array) -> Sampled:
+        if batch.sampler is None:
+            batch.sampler = build_state([row_params(r) for r in batch.decode], self.vocab)
+        batch.offsets = [r.kv_len for r in batch.decode]
+        for r in batch.decode:
+            r.kv_len += 1
+        logits = self.model(inputs[:, None], cache=self.pool.decode_view(batch.offsets))
+        return sample(logits[:, -1, :], batch.sampler)
+
+
+def _outputs(batch: Batch) -> list[mx.array]:
+    outs = [c.out for c in batch.chunks if c.out is not None]
+    if batch.decode_out is not None:
+        outs.append(batch.decode_out)
+    return [
+        a for s in outs for a in (s.tokens, s.logprob, s.top_ids, s.top_logprobs) if a is not None
+    ]

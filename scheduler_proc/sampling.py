@@ -1,0 +1,193 @@
+"""Per-request sampling inside the MLX graph: one batched op chain, no host round trip per token.
+
+Each row carries its own temperature, top-k, top-p, min-p, penalties and seed. Random numbers come
+from a counter-based hash of (seed, token position, vocabulary id), so a row's tokens depend only
+on its own seed and logits, never on the batch around it, and a chained step needs no host state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from engine.sampling_params import SamplingParams
+
+_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """What sampling needs of one request: its parameters, seed and token history."""
+
+    params: SamplingParams
+    seed: int
+    generated: int  # tokens generated so far (the noise counter)
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Per-row sampling arrays for one batch composition; `advance` makes the chained step's."""
+
+    greedy: mx.array
+    temperature: mx.array
+    top_k: mx.array
+    top_p: mx.array
+    min_p: mx.array
+    repetition: mx.array
+    presence: mx.array
+    frequency: mx.array
+    seed: mx.array
+    position: mx.array
+    counts: mx.array | None  # (B, V) generated-token counts, when a penalty needs them
+    prompt_seen: mx.array | None  # (B, V) prompt tokens, for the repetition penalty
+    any_sampled: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    top_logprobs: int  # largest top-n asked for in the batch; 0: none
+    want_logprobs: bool
+
+
+def build_state(rows: list[RowParams], vocab: int) -> SamplerState:
+    ps = [r.params for r in rows]
+    f32 = _column_f32
+    any_penalty = any(_has_penalty(p) for p in ps)
+    return SamplerState(
+        greedy=mx.array([p.greedy for p in ps]),
+        temperature=f32([max(p.temperature, _EPS) for p in ps]),
+        top_k=mx.array([p.top_k if 0 < p.top_k < vocab else vocab for p in ps], mx.int32),
+        top_p=f32([p.top_p for p in ps]),
+        min_p=f32([p.min_p for p in ps]),
+        repetition=f32([p.repetition_penalty for p in ps]),
+        presence=f32([p.presence_penalty for p in ps]),
+        frequency=f32([p.frequency_penalty for p in ps]),
+        seed=mx.array([_fold_seed(r.seed) for r in rows], mx.uint32),
+        position=mx.array([r.generated for r in rows], mx.uint32),
+        counts=_counts([r.output_ids for r in rows], vocab) if any_penalty else None,
+        prompt_seen=_counts([r.prompt_ids for r in rows], vocab) > 0 if any_penalty else None,
+        any_sampled=any(not p.greedy for p in ps),
+        any_top_k=any(not p.greedy and 0 < p.top_k < vocab for p in ps),
+        any_top_p=any(not p.greedy and p.top_p < 1.0 for p in ps),
+        any_min_p=any(not p.greedy and p.min_p > 0.0 for p in ps),
+        any_penalty=any_penalty,
+        top_logprobs=max(p.logprobs for p in ps),
+        want_logprobs=any(p.logprobs > 0 for p in ps),
+    )
+
+
+def advance(state: SamplerState, tokens: mx.array) -> SamplerState:
+    """The state of the next decode step, built on this step's still-lazy tokens."""
+    counts = state.counts
+    if counts is not None:
+        counts = counts.at[mx.arange(tokens.size), tokens].add(1.0)
+    return replace(state, position=state.position + 1, counts=counts)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    tokens: mx.array  # (B,) int32
+    logprob: mx.array | None  # (B,) chosen token's logprob
+    top_ids: mx.array | None  # (B, n)
+    top_logprobs: mx.array | None  # (B, n)
+
+
+def sample(logits: mx.array, state: SamplerState) -> Sampled:
+    logits = logits.astype(mx.float32)
+    scores = _apply_penalties(logits, state) if state.any_penalty else logits
+    tokens = mx.argmax(scores, axis=-1)
+    if state.any_sampled:
+        drawn = mx.argmax(_filtered(scores, state) + _gumbel(state, logits.shape[-1]), axis=-1)
+        tokens = mx.where(state.greedy, tokens, drawn)
+    tokens = tokens.astype(mx.int32)
+    if not state.want_logprobs:
+        return Sampled(tokens, None, None, None)
+    return _with_logprobs(logits, tokens, state.top_logprobs)
+
+
+def _filtered(scores: mx.array, state: SamplerState) -> mx.array:
+    x = scores / state.temperature[:, None]
+    if state.any_top_k:
+        ascending = mx.sort(x, axis=-1)
+        kth = mx.take_along_axis(ascending, (x.shape[-1] - state.top_k)[:, None], axis=-1)
+        x = mx.where(x >= kth, x, -mx.inf)
+    if state.any_top_p or state.any_min_p:
+        probs = mx.softmax(x, axis=-1)
+        keep = mx.ones(x.shape, mx.bool_)
+        if state.any_top_p:
+            keep = keep & (probs >= _top_p_threshold(probs, state.top_p))
+        if state.any_min_p:
+            peak = mx.max(probs, axis=-1, keepdims=True)
+            keep = keep & (probs >= state.min_p[:, None] * peak)
+        x = mx.where(keep, x, -mx.inf)
+    return x
+
+
+def _top_p_threshold(probs: mx.array, top_p: mx.array) -> mx.array:
+    """Smallest probability inside the nucleus: the fewest top tokens whose mass reaches top_p."""
+    ascending = mx.sort(probs, axis=-1)
+    mass_above = 1.0 - mx.cumsum(ascending, axis=-1)  # mass of strictly larger entries
+    inside = mass_above < top_p[:, None]
+    return mx.min(mx.where(inside, ascending, mx.inf), axis=-1, keepdims=True)
+
+
+def _apply_penalties(logits: mx.array, state: SamplerState) -> mx.array:
+    counts = state.counts
+    seen = state.prompt_seen | (counts > 0)
+    rep = state.repetition[:, None]
+    penalised = mx.where(logits > 0, logits / rep, logits * rep)
+    x = mx.where(seen, penalised, logits)
+    x = x - state.presence[:, None] * (counts > 0)
+    return x - state.frequency[:, None] * counts
+
+
+def _with_logprobs(logits: mx.array, tokens: mx.array, n: int) -> Sampled:
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top = mx.argpartition(-lp, n - 1, axis=-1)[:, :n]
+    top_lp = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-top_lp, axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
+    return Sampled(tokens, chosen, top, mx.take_along_axis(top_lp, order, axis=-1))
+
+
+def _gumbel(state: SamplerState, vocab: int) -> mx.array:
+    u32 = mx.uint32
+    row = _mix(state.seed * u32(0x9E3779B1) + state.position * u32(0x85EBCA77))
+    h = _mix(row[:, None] ^ (mx.arange(vocab, dtype=u32)[None] * u32(0xC2B2AE3D)))
+    u = ((h >> u32(8)).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    return -mx.log(-mx.log(u))
+
+
+def _mix(x: mx.array) -> mx.array:
+    """murmur3's 32-bit finaliser: a cheap, well-spread integer hash."""
+    u32 = mx.uint32
+    x = x ^ (x >> u32(16))
+    x = x * u32(0x85EBCA6B)
+    x = x ^ (x >> u32(13))
+    x = x * u32(0xC2B2AE35)
+    return x ^ (x >> u32(16))
+
+
+def _counts(token_lists: list[list[int]], vocab: int) -> mx.array:
+    rows = [i for i, ids in enumerate(token_lists) for _ in ids]
+    cols = [t for ids in token_lists for t in ids]
+    out = mx.zeros((len(token_lists), vocab), mx.float32)
+    if not cols:
+        return out
+    return out.at[mx.array(rows), mx.array(cols)].add(1.0)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _column_f32(values: list[float]) -> mx.array:
+    return mx.array(values, mx.float32)
+
+
+def _fold_seed(seed: int) -> int:
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF

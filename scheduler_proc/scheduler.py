@@ -1,0 +1,294 @@
+"""The scheduler core: continuous batching, chunked prefill and the overlap loop, in-process.
+
+`step()` is one loop iteration. With overlap on (DESIGN.md §4), a pure decode step's successor is
+built on its still-lazy tokens and queued before the loop blocks on it; the chain breaks on a
+finish, an abort, a prefill to run, or shutdown. Rows (KV) move only while nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest, Overloaded, ShuttingDown
+from engine.sampling_params import SamplingParams
+from scheduler_proc.batch import Batch, Chunk
+from scheduler_proc.kv_budget import plan_rows
+from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
+from scheduler_proc.output import StepOutput, TokenLogprob
+from scheduler_proc.request import Req, State
+from scheduler_proc.runner import Runner
+from scheduler_proc.sampling import Sampled, advance
+from scheduler_proc.slots import SlotTable
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model: nn.Module, eos_token_ids: Iterable[int]):
+        self.config = config
+        shapes, self.vocab = probe_model(model)
+        max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        rows, row_len = plan_rows(config, bytes_per_token(shapes), max_pos)
+        self.pool = KVPool(shapes, rows, row_len)
+        self.slots = SlotTable(self.pool)
+        self.runner = Runner(model, self.pool, self.vocab)
+        self.eos = frozenset(eos_token_ids)
+        self.overlap = not config.disable_overlap
+        self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
+        self._rng = random.Random(config.seed)
+        self._waiting: deque[Req] = deque()
+        self._reqs: dict[str, Req] = {}
+        self._touched: dict[str, Req] = {}
+        self._to_free: dict[str, Req] = {}
+        self._to_promote: list[Req] = []
+        self._current: Batch | None = None
+        self._next: Batch | None = None
+        self._closed = False
+        self._counters = dict.fromkeys(
+            ("steps_launched", "steps_fresh", "steps_chained", "batches_finalized",
+             "prefill_tokens", "generated_tokens", "requests_finished", "requests_aborted"), 0
+        )  # fmt: skip
+
+    # -- public interface --------------------------------------------------------------------
+    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        if self._closed:
+            raise ShuttingDown("the scheduler is shutting down")
+        self._check_request(rid, input_ids, params)
+        if len(self._waiting) >= self.config.max_queued_requests:
+            raise Overloaded(f"{len(self._waiting)} requests already waiting")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        max_new = min(params.max_tokens, self.pool.row_len - len(input_ids))
+        req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop))
+        self._reqs[rid] = req
+        self._waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        req = self._reqs.get(rid)
+        if req is None or req.finished:
+            return
+        req.finish("abort")
+        self._touched[rid] = req
+        if req.state is State.WAITING:
+            self._waiting.remove(req)
+        else:
+            self._to_free[rid] = req
+
+    def step(self) -> list[StepOutput]:
+        if not self._closed:
+            try:
+                self._step_overlap() if self.overlap else self._step_sync()
+            except Exception as exc:  # NOTE: one bad step fails its requests, not the engine
+                log.exception("step failed")
+                self._fail_in_flight(exc)
+        return self._emit()
+
+    def has_work(self) -> bool:
+        busy = self._current or self._next or self.slots.reqs
+        return bool(busy or self._waiting or self._touched)
+
+    def stats(self) -> dict[str, int | float]:
+        used = self.slots.tokens_in_use()
+        total = self.pool.rows * self.pool.row_len
+        return {
+            **self._counters,
+            "running": len(self.slots.reqs),
+            "decoding": self.slots.n_decode,
+            "waiting": len(self._waiting),
+            "kv_rows_in_use": self.pool.rows_in_use,
+            "kv_rows_total": self.pool.rows,
+            "kv_row_len": self.pool.row_len,
+            "kv_tokens_in_use": used,
+            "kv_tokens_free": total - used,
+            "kv_bytes": self.pool.nbytes,
+        }
+
+    def shutdown(self) -> None:
+        """Drop in-flight work, abort every request (a later `step()` reports them), drain."""
+        self._closed = True
+        mx.synchronize()
+        self._current = self._next = None
+        for rid in list(self._reqs):
+            self.abort(rid)
+        self._settle()
+        mx.synchronize()
+
+    # -- the two loops -----------------------------------------------------------------------
+    def _step_sync(self) -> None:
+        self._settle()
+        batch = self._schedule()
+        if batch is not None:
+            self._launch_fresh(batch)
+            self._finalize(batch)
+            self._settle()
+
+    def _step_overlap(self) -> None:
+        cur = self._current
+        if cur is not None and self._can_chain(cur):
+            self._next = self._launch_chained(cur)
+        if cur is not None:
+            self._current = None
+            self._finalize(cur)
+        nxt, self._next = self._next, None
+        if nxt is not None and not self._must_break(nxt):
+            self._current = nxt
+            return
+        if nxt is not None:
+            self._finalize(nxt)
+        self._settle()
+        batch = self._schedule()
+        if batch is not None:
+            self._launch_fresh(batch)
+            self._current = batch
+
+    def _can_chain(self, cur: Batch) -> bool:
+        if not cur.pure_decode or self.slots.prefilling() or self._admissible():
+            return False
+        # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
+        return not any(r.finished or r.kv_len - r.prompt_len + 1 >= r.max_new for r in cur.decode)
+
+    def _must_break(self, nxt: Batch) -> bool:
+        return any(r.finished for r in nxt.decode) or self._admissible()
+
+    def _admissible(self) -> bool:
+        return bool(self._waiting) and self.slots.free_rows > 0
+
+    # -- launches ----------------------------------------------------------------------------
+    def prepare_launch(self, batch: Batch) -> None:
+        """All launch bookkeeping, for fresh and chained launches alike, before graph building."""
+        self._counters["steps_launched"] += 1
+        self._counters["steps_chained" if batch.chained else "steps_fresh"] += 1
+        batch.step_index = self._counters["steps_launched"]
+        batch.launch_ts = time.monotonic()
+        if self.on_launch is not None:
+            self.on_launch(batch)
+
+    def _launch_fresh(self, batch: Batch) -> None:
+        self.prepare_launch(batch)
+        inputs = self.runner.decode_inputs(batch) if batch.decode else None
+        self.runner.launch(batch, inputs)
+
+    def _launch_chained(self, prev: Batch) -> Batch:
+        batch = Batch(decode=prev.decode, sampler=advance(prev.sampler, prev.decode_out.tokens))
+        batch.chained = True
+        self.prepare_launch(batch)
+        self.runner.launch(batch, prev.decode_out.tokens)
+        return batch
+
+    def _schedule(self) -> Batch | None:
+        budget = self.config.max_prefill_tokens
+        chunks: list[Chunk] = []
+        for req in self.slots.prefilling():
+            if budget > 0 and req.prefilled < req.prompt_len:
+                budget -= self._add_chunk(req, chunks, budget)
+        while budget > 0 and self._admissible():
+            req = self._waiting.popleft()
+            req.state = State.PREFILLING
+            self.slots.add(req)
+            budget -= self._add_chunk(req, chunks, budget)
+        decode = self.slots.decoding()
+        if not chunks and not decode:
+            return None
+        return Batch(decode=list(decode), chunks=chunks)
+
+    def _add_chunk(self, req: Req, chunks: list[Chunk], budget: int) -> int:
+        n = min(self.config.chunked_prefill_size, req.prompt_len - req.prefilled, budget)
+        chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
+        req.prefilled += n
+        self._counters["prefill_tokens"] += n
+        return n
+
+    # -- results -----------------------------------------------------------------------------
+    def _finalize(self, batch: Batch) -> None:
+        """Block on a launched step and apply its tokens; finished requests' tokens are dropped."""
+        assert batch.launch_ts is not None and batch.step_index > 0, "batch was never launched"
+        self._counters["batches_finalized"] += 1
+        if batch.decode_out is not None:
+            for req, tok, lp in zip(batch.decode, *_host(batch.decode_out), strict=True):
+                self._accept(req, tok, lp)
+        for chunk in batch.chunks:
+            if chunk.out is not None and not chunk.req.finished:
+                chunk.req.state = State.DECODING
+                self._to_promote.append(chunk.req)
+                tok, lp = _host(chunk.out)
+                self._accept(chunk.req, tok[0], lp[0])
+
+    def _accept(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
+        if req.finished:
+            return
+        n = req.params.logprobs
+        req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n else None)
+        self._counters["generated_tokens"] += 1
+        self._touched[req.rid] = req
+        if req.finished:
+            self._to_free[req.rid] = req
+
+    def _settle(self) -> None:
+        """Row moves and releases; only called while no step is in flight."""
+        assert self._current is None and self._next is None
+        for req in self._to_promote:
+            if not req.finished:
+                self.slots.promote(req)
+        self._to_promote.clear()
+        for req in self._to_free.values():
+            if req.row is not None:
+                self.slots.release(req)
+            req.state = State.FINISHED
+        self._to_free.clear()
+
+    def _emit(self) -> list[StepOutput]:
+        outs = [req.take_output() for req in self._touched.values()]
+        for req in self._touched.values():
+            if req.reported_finish:
+                del self._reqs[req.rid]
+                key = "requests_aborted" if req.finish_reason == "abort" else "requests_finished"
+                self._counters[key] += 1
+        self._touched.clear()
+        return outs
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        mx.synchronize()
+        batches = [b for b in (self._current, self._next) if b is not None]
+        self._current = self._next = None
+        reqs = {r.rid: r for b in batches for r in b.reqs()} or dict(self._reqs)
+        for req in reqs.values():
+            if not req.finished:
+                req.finish("error", f"{type(exc).__name__}: {exc}")
+                self._touched[req.rid] = req
+                if req.state is State.WAITING:
+                    self._waiting.remove(req)
+                else:
+                    self._to_free[req.rid] = req
+        self._settle()
+
+    def _check_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.vocab)
+        if rid in self._reqs:
+            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
+        if not input_ids:
+            raise InvalidRequest("input_ids", "the prompt is empty")
+        if len(input_ids) >= self.pool.row_len:
+            limit = self.pool.row_len - 1
+            raise InvalidRequest("input_ids", f"{len(input_ids)} tokens exceed the limit {limit}")
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab:
+            raise InvalidRequest("input_ids", f"token ids must be in [0, {self.vocab})")
+
+
+def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Block on a step's tokens (and logprobs) and bring them to the host."""
+    tokens = out.tokens.tolist()
+    if out.logprob is None:
+        return tokens, [None] * len(tokens)
+    chosen, ids, lps = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    return tokens, [
+        TokenLogprob(c, list(zip(i, v, strict=True)))
+        for c, i, v in zip(chosen, ids, lps, strict=True)
+    ]

@@ -1,0 +1,58 @@
+"""Helpers for the scheduler tests: build a scheduler on a tiny model, drive it, reference tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from scheduler_proc.output import StepOutput
+from scheduler_proc.scheduler import Scheduler
+
+_MODELS: dict[Path, Any] = {}
+
+
+def tiny_model(path: Path) -> Any:
+    if path not in _MODELS:
+        _MODELS[path] = load_model(path)[0]
+    return _MODELS[path]
+
+
+def make_scheduler(model: Any, eos: tuple[int, ...] = (), **overrides: Any) -> Scheduler:
+    base = dict(max_running_requests=32, max_total_tokens=32 * 2048, context_length=2048)
+    return Scheduler(EngineConfig(**{**base, **overrides}), model, eos)
+
+
+def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own single-request greedy generation."""
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(tok) for tok, _ in steps]
+
+
+def drive(
+    sched: Scheduler,
+    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+    max_steps: int = 100_000,
+) -> dict[str, list[StepOutput]]:
+    """Submit requests at the given step numbers and step until all work is done."""
+    outs: dict[str, list[StepOutput]] = {}
+    step = 0
+    while step <= max(arrivals, default=0) or sched.has_work():
+        for rid, ids, params in arrivals.get(step, []):
+            sched.submit(rid, ids, params)
+        for out in sched.step():
+            outs.setdefault(out.rid, []).append(out)
+        step += 1
+        assert step < max_steps, "scheduler did not finish"
+    return outs
+
+
+def tokens(outs: list[StepOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
