@@ -36,8 +36,6 @@ class EngineConfig:
     disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
     cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
     cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
-    cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
-    cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
@@ -68,8 +66,6 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
-        if self.cpu_dequantize not in ("auto", "on", "off"):
-            raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         if self.cpu_dequantize not in ("auto", "on", "off"):
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
