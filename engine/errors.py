@@ -34,3 +34,7 @@ class Timeout(EngineError):
 
 class ModelError(EngineError):
     """A model file or directory cannot be used (missing, unsupported, corrupt)."""
+
+
+class ProtocolMismatch(EngineError):
+    """The client and the engine speak different wire protocol versions."""

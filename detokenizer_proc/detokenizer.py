@@ -1,0 +1,74 @@
+"""Token ids to text deltas for every running request (no sockets here: see detokenizer_proc.main)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from detokenizer_proc.stream import TextStream
+from engine.messages.to_client import Chunk
+from scheduler_proc.output import StepOutput
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        # NOTE: building a BPE streaming detokenizer maps the whole vocabulary (~10 ms for 49k
+        # tokens); a shallow copy of one prototype shares that map, so a request pays ~1 µs.
+        self._proto = tokenizer.detokenizer
+        self._skip = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self._streams: dict[str, TextStream] = {}
+
+    def register(self, rid: str, stop: list[str]) -> None:
+        detok = copy.copy(self._proto)
+        detok.reset()
+        self._streams[rid] = TextStream(detok, stop, self._skip)
+
+    def drop(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def process(self, outputs: list[StepOutput]) -> tuple[list[Chunk], list[str]]:
+        """Chunks for the client, and the rids a stop string ended (the scheduler must abort them)."""
+        chunks: list[Chunk] = []
+        stopped: list[str] = []
+        for out in outputs:
+            chunk = self._one(out)
+            if chunk is None:
+                continue
+            chunks.append(chunk)
+            if chunk.finish_reason == "stop" and out.finish_reason is None:
+                stopped.append(out.rid)
+        return chunks, stopped
+
+    def _one(self, out: StepOutput) -> Chunk | None:
+        stream = self._streams.get(out.rid)
+        if stream is None:
+            # NOTE: a request already ended by a stop string still has a step or two in flight.
+            return None
+        stream.add(out.token_ids)
+        text, hit_stop = stream.take(final=out.finish_reason is not None)
+        finish = "stop" if hit_stop else out.finish_reason
+        if finish is not None:
+            del self._streams[out.rid]
+        return _chunk(out, text, finish)
+
+
+def _chunk(out: StepOutput, text: str, finish: str | None) -> Chunk:
+    return Chunk(
+        out.rid,
+        text,
+        list(out.token_ids),
+        finish,
+        out.prompt_tokens,
+        out.completion_tokens,
+        out.cached_tokens,
+        _logprobs(out),
+        out.error,
+    )
+
+
+def _logprobs(out: StepOutput) -> list[Any]:
+    value = getattr(out, "logprobs", None)
+    return list(value) if value else []

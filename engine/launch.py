@@ -1,0 +1,227 @@
+"""The launcher behind `mlx-engine launch`: spawns the three processes, handshakes, watches, and
+owns shutdown (DESIGN.md §1, §5). Runs in the foreground; the exit code tells a supervisor what
+happened: 0 after a graceful shutdown, 1 when a child failed or had to be killed."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.ipc import Endpoints, PullQueue, PushQueue
+from engine.messages.to_launcher import Ready, ShutdownRequested, StartFailed, ToLauncher
+from engine.messages.to_scheduler import Drain, ToScheduler
+from engine.messages.to_tokenizer import Control, FromEngine
+
+log = logging.getLogger("launcher")
+
+POLL_S = 0.1
+EXIT_SLACK_S = 10.0  # beyond --shutdown-grace, for the drained pipeline to flush and exit
+FAIL_NOTICE_S = 2.0  # how long the tokenizer may take to tell clients the engine died
+TARGETS = {
+    "scheduler": "scheduler_proc.process:run",
+    "tokenizer": "tokenizer_proc.main:run",
+    "detokenizer": "detokenizer_proc.main:run",
+}
+
+
+def run_engine(config: EngineConfig) -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=config.log_level.upper(),
+        format="%(asctime)s launcher[%(process)d] %(levelname)s %(message)s",
+    )
+    with _private_dir() as run_dir:
+        return Launcher(config, run_dir).run()
+
+
+@contextmanager
+def _private_dir() -> Iterator[Path]:
+    # NOTE: mkdtemp makes the directory 0700, so only this user can reach the ipc:// sockets.
+    path = Path(tempfile.mkdtemp(prefix="mlx-engine-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def spawn(name: str, *args: Any) -> BaseProcess:
+    """The one place a child starts (spawn context: portable, and nothing of MLX is inherited).
+
+    NOTE: a child that needs its own environment (LD_PRELOAD of a faster BLAS for the scheduler)
+    gets it here: `os.environ` is copied into the child when it starts.
+    """
+    process = mp.get_context("spawn").Process(
+        target=_entry, args=(TARGETS[name], *args), name=f"mlx-engine-{name}"
+    )
+    process.start()
+    return process
+
+
+def _entry(target: str, *args: Any) -> None:
+    from engine.child import entry
+
+    entry(target, *args)
+
+
+class Launcher:
+    def __init__(self, config: EngineConfig, run_dir: Path) -> None:
+        self.config = config
+        self.endpoints = Endpoints.create(config, run_dir)
+        self.ctx = zmq.Context()
+        self.inbox: PullQueue[ToLauncher] = PullQueue(self.ctx, self.endpoints.launcher, ToLauncher)
+        self.procs: dict[str, BaseProcess] = {}
+        self.signals = 0
+        self.shutdown_reason: str | None = None
+
+    def run(self) -> int:
+        self._install_signals()
+        try:
+            if not self._start():
+                return 1
+            log.info("engine ready: SDK endpoint %s", self.endpoints.client)
+            return self._watch()
+        finally:
+            self._teardown()
+
+    # --- signals --------------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signals += 1
+        if self.shutdown_reason is None:
+            self.shutdown_reason = signal.Signals(signum).name
+
+    # --- start ----------------------------------------------------------------------------------
+
+    def _start(self) -> bool:
+        """Scheduler first (its READY carries the model dir and limits), then the other two."""
+        pid = os.getpid()
+        self.procs["scheduler"] = spawn("scheduler", self.config, self.endpoints, pid)
+        facts = self._await_ready({"scheduler"})
+        if facts is None:
+            return False
+        sched = facts["scheduler"]
+        self.procs["detokenizer"] = spawn(
+            "detokenizer", self.config, self.endpoints, pid, str(sched["model_dir"])
+        )
+        self.procs["tokenizer"] = spawn("tokenizer", self.config, self.endpoints, pid, sched)
+        return self._await_ready({"detokenizer", "tokenizer"}) is not None
+
+    def _await_ready(self, names: set[str]) -> dict[str, dict[str, Any]] | None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        facts: dict[str, dict[str, Any]] = {}
+        while len(facts) < len(names):
+            msg = self.inbox.get(POLL_S)
+            if isinstance(msg, Ready):
+                log.info("%s ready (pid %d)", msg.process, msg.pid)
+                facts[msg.process] = dict(msg.facts)
+            elif isinstance(msg, StartFailed):
+                log.error("%s failed to start: %s", msg.process, msg.error)
+                return None
+            if not self._starting_ok(names - set(facts), deadline):
+                return None
+        return facts
+
+    def _starting_ok(self, pending: set[str], deadline: float) -> bool:
+        if self.signals:
+            log.warning("interrupted while starting")
+            return False
+        for name in pending:
+            if not self.procs[name].is_alive():
+                code = self.procs[name].exitcode
+                log.error("%s exited with code %s before it was ready", name, code)
+                return False
+        if time.monotonic() > deadline:
+            log.error("%s not ready within %.0fs", sorted(pending), self.config.startup_timeout)
+            return False
+        return True
+
+    # --- watch ----------------------------------------------------------------------------------
+
+    def _watch(self) -> int:
+        while True:
+            msg = self.inbox.get(POLL_S)
+            if isinstance(msg, ShutdownRequested) and self.shutdown_reason is None:
+                self.shutdown_reason = msg.reason
+            if self.shutdown_reason is not None:
+                return self._graceful()
+            dead = self._dead()
+            if dead:
+                return self._fail(dead)
+
+    def _dead(self) -> list[str]:
+        return [name for name, p in self.procs.items() if not p.is_alive()]
+
+    def _fail(self, dead: list[str]) -> int:
+        codes = {name: self.procs[name].exitcode for name in dead}
+        log.error("engine process died: %s; stopping the engine", codes)
+        if "tokenizer" not in dead:
+            self._to_tokenizer(Control("fail", f"{', '.join(dead)} died"))
+            self.procs["tokenizer"].join(FAIL_NOTICE_S)
+        return 1
+
+    # --- graceful shutdown ----------------------------------------------------------------------
+
+    def _graceful(self) -> int:
+        grace = self.config.shutdown_grace
+        log.info("shutting down (%s): running requests get %.1fs", self.shutdown_reason, grace)
+        self._to_tokenizer(Control("drain", self.shutdown_reason or ""))
+        self._to_scheduler(Drain(grace))
+        deadline = time.monotonic() + grace + EXIT_SLACK_S
+        while any(p.is_alive() for p in self.procs.values()):
+            if self.signals >= 2:
+                log.warning("second signal: forcing exit")
+                return 1
+            if time.monotonic() > deadline:
+                log.error("processes still running after %.1fs: forcing exit", grace + EXIT_SLACK_S)
+                return 1
+            time.sleep(POLL_S)
+        return self._exit_code()
+
+    def _exit_code(self) -> int:
+        codes = {name: p.exitcode for name, p in self.procs.items()}
+        if any(codes.values()):
+            log.error("engine processes exited with %s", codes)
+            return 1
+        log.info("engine stopped")
+        return 0
+
+    def _to_tokenizer(self, msg: FromEngine) -> None:
+        q: PushQueue[FromEngine] = PushQueue(self.ctx, self.endpoints.tokenizer, FromEngine)
+        q.put(msg)
+        q.close()
+
+    def _to_scheduler(self, msg: ToScheduler) -> None:
+        q: PushQueue[ToScheduler] = PushQueue(self.ctx, self.endpoints.scheduler, ToScheduler)
+        q.put(msg)
+        q.close()
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        """Leave no child behind: children ignore SIGTERM (the launcher coordinates), so kill."""
+        for name, p in self.procs.items():
+            if p.is_alive():
+                log.warning("killing %s (pid %s)", name, p.pid)
+                p.kill()
+        for p in self.procs.values():
+            p.join(5.0)
+        self.inbox.close()
+        self.ctx.term()

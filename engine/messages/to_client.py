@@ -1,0 +1,63 @@
+"""Messages an SDK client receives from the tokenizer process (its DEALER socket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.protocol import Message
+
+
+class Welcome(Message):
+    """Answer to `Hello`: the engine speaks the client's protocol version."""
+
+    rid: str
+    version: int
+    model: str = ""
+    max_context: int = 0
+
+
+class Chunk(Message):
+    """A text delta of one request; `finish_reason` is set on the request's last chunk only."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = []
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[Any] = []
+    error: str | None = None  # why, when finish_reason is "error"
+
+
+class Failure(Message):
+    """A typed error for one request or call; `kind` names the exception (see engine.wire_errors)."""
+
+    rid: str
+    kind: str
+    message: str
+    field: str = ""
+
+
+class HealthReply(Message):
+    rid: str
+    healthy: bool
+    detail: str = ""
+
+
+class StatsReply(Message):
+    rid: str
+    stats: dict[str, float] = {}
+
+
+class Ack(Message):
+    """A call without a payload (abort, shutdown) was accepted."""
+
+    rid: str
+
+
+class Pong(Message):
+    """Answer to `Ping`: the tokenizer process is alive (SDK liveness detection)."""
+
+
+ToClient = Welcome | Chunk | Failure | HealthReply | StatsReply | Ack | Pong

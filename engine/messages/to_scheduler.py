@@ -1,0 +1,31 @@
+"""Messages the scheduler process receives on its PULL socket (tokenizer, detokenizer, launcher)."""
+
+from __future__ import annotations
+
+from engine.protocol import Message
+from engine.sampling_params import SamplingParams
+
+
+class TokenizedRequest(Message):
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(Message):
+    """Stop a request (client gone, client abort, stop string hit); unknown rids are ignored."""
+
+    rid: str
+
+
+class StatsQuery(Message):
+    rid: str
+
+
+class Drain(Message):
+    """Graceful shutdown: finish running requests within `grace` seconds, then abort and exit."""
+
+    grace: float
+
+
+ToScheduler = TokenizedRequest | Abort | StatsQuery | Drain

@@ -1,0 +1,119 @@
+"""Messages the tokenizer process receives.
+
+Two sockets, two unions: `FromClient` on the client ROUTER endpoint (SDK and raw clients), and
+`FromEngine` on its internal PULL socket (detokenizer output, launcher control).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.messages.to_client import Chunk
+from engine.protocol import Message
+
+# --- from clients -------------------------------------------------------------------------------
+
+
+class Hello(Message):
+    """First message of a client: the protocol version it speaks."""
+
+    rid: str
+    version: int
+
+
+class Generate(Message):
+    """One generation request: exactly one of prompt, messages or input_ids.
+
+    `params` stays a plain mapping on the wire so a bad value is reported by its own field name
+    (`max_tokens`, `top_p`, ...) when it is converted to `SamplingParams`.
+    """
+
+    rid: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None
+    params: dict[str, Any] = {}
+
+
+class AbortRequest(Message):
+    rid: str
+    target: str
+
+
+class HealthCheck(Message):
+    rid: str
+
+
+class HealthGenerate(Message):
+    rid: str
+
+
+class GetStats(Message):
+    rid: str
+
+
+class ShutdownEngine(Message):
+    rid: str
+
+
+class Ping(Message):
+    """Liveness probe of an SDK client with calls in flight."""
+
+
+class Goodbye(Message):
+    """The client is closing: abort whatever it still has running."""
+
+
+FromClient = (
+    Hello
+    | Generate
+    | AbortRequest
+    | HealthCheck
+    | HealthGenerate
+    | GetStats
+    | ShutdownEngine
+    | Ping
+    | Goodbye
+)
+
+# --- from the engine ----------------------------------------------------------------------------
+
+
+class Chunks(Message):
+    """The detokenizer's output of one scheduler step (and request-level failures)."""
+
+    chunks: list[Chunk] = []
+
+
+class RequestFailed(Message):
+    """The scheduler refused a request after admission (e.g. it can never fit the KV cache)."""
+
+    rid: str
+    kind: str
+    message: str
+    field: str = ""
+
+
+class Heartbeat(Message):
+    """The scheduler loop ticked at `ticked_at` (time.time()); forwarded by the detokenizer."""
+
+    ticked_at: float
+
+
+class SchedulerStats(Message):
+    rid: str
+    stats: dict[str, float] = {}
+
+
+class Control(Message):
+    """From the launcher: `drain` (refuse new requests) or `fail` (the engine died)."""
+
+    action: str
+    reason: str = ""
+
+
+class PipelineDrained(Message):
+    """The detokenizer's last message: nothing more will come; the tokenizer may exit."""
+
+
+FromEngine = Chunks | RequestFailed | Heartbeat | SchedulerStats | Control | PipelineDrained

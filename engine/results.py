@@ -1,0 +1,50 @@
+"""What the SDK returns: stream chunks and whole results (plain data, no wire types)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.messages.to_client import Chunk
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A delta of one request; `finish_reason` (stop, length, abort, error) only on the last."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+    logprobs: list[Any] = field(default_factory=list)
+    error: str | None = None
+
+    @classmethod
+    def from_wire(cls, c: Chunk) -> StreamChunk:
+        usage = Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
+        return cls(c.rid, c.text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error)
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    logprobs: list[Any] = field(default_factory=list)
+    error: str | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error

@@ -1,0 +1,173 @@
+"""The scheduler process: drives `Scheduler` with messages, sends its token ids to the detokenizer.
+
+The loop (DESIGN.md §4, §5): check the exit flag first, tick the heartbeat, take messages (block
+briefly only when idle), enforce the drain deadline, run one scheduler step, send its outputs.
+
+NOTE: no input/output threads here. libzmq already moves bytes on its own I/O thread, so a send is
+an enqueue of a few microseconds; Python threads would only add GIL hand-offs next to the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from engine import child
+from engine.config import EngineConfig
+from engine.errors import EngineError, ShuttingDown
+from engine.ipc import Endpoints, PullQueue, PushQueue
+from engine.messages.to_detokenizer import Register, SchedulerExited, StepOutputs, ToDetokenizer
+from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
+from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
+from engine.wire_errors import to_failure
+from scheduler_proc.output import StepOutput
+
+log = logging.getLogger("scheduler")
+
+HEARTBEAT_S = 0.5
+IDLE_WAIT_S = 0.05
+# NOTE: after the grace period every request is aborted; a scheduler that still has not reported
+# them all by then is stuck, and the loop gives up waiting (terminal outputs are synthesized).
+ABORT_SETTLE_S = 5.0
+
+
+def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
+    child.setup("scheduler", config.log_level)
+    me = child.Child("scheduler", endpoints.launcher, parent_pid)
+    with me.starting():
+        loop, facts = _create(config, endpoints, me.orphaned)
+    me.ready(**facts)
+    loop.run()
+    me.close()
+
+
+def _create(
+    config: EngineConfig, endpoints: Endpoints, orphaned: threading.Event
+) -> tuple[SchedulerLoop, dict[str, Any]]:
+    from engine.models import resolve_model_dir
+    from engine.offline import load_for_scheduler
+    from scheduler_proc.scheduler import Scheduler
+
+    model_dir = resolve_model_dir(config.model)
+    model, eos = load_for_scheduler(str(model_dir))
+    scheduler = Scheduler(config, model, eos)
+    facts = {
+        "model_dir": str(model_dir),
+        "model": model_dir.name,
+        "vocab_size": int(scheduler.vocab),
+        "max_context": int(scheduler.stats()["kv_row_len"]),
+    }
+    return SchedulerLoop(scheduler, endpoints, orphaned), facts
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Any, endpoints: Endpoints, orphaned: threading.Event) -> None:
+        ctx = zmq.Context.instance()
+        self.sched = scheduler
+        self.orphaned = orphaned
+        self.inbox: PullQueue[ToScheduler] = PullQueue(ctx, endpoints.scheduler, ToScheduler)
+        self.outbox: PushQueue[ToDetokenizer] = PushQueue(ctx, endpoints.detokenizer, ToDetokenizer)
+        self.live: dict[str, int] = {}  # rid -> prompt tokens, until its terminal output is sent
+        self.drain_at: float | None = None
+        self.aborted_at: float | None = None
+        self._last_tick = 0.0
+
+    def run(self) -> None:
+        while True:
+            if self._should_exit():  # NOTE: first thing each iteration (seeds/README.md)
+                break
+            self._heartbeat()
+            self._receive()
+            self._enforce_drain()
+            if self.sched.has_work():
+                self._send(self.sched.step())
+        self._exit()
+
+    def _should_exit(self) -> bool:
+        if self.orphaned.is_set():
+            return True
+        if self.drain_at is None:
+            return False
+        if self.aborted_at is not None and time.monotonic() > self.aborted_at + ABORT_SETTLE_S:
+            return True
+        return not self.live and not self.sched.has_work()
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_tick >= HEARTBEAT_S:
+            self._last_tick = now
+            self.outbox.put(Heartbeat(time.time()))
+
+    def _receive(self) -> None:
+        first = self.inbox.get_nowait() if self.sched.has_work() else self.inbox.get(IDLE_WAIT_S)
+        if first is None:
+            return
+        for msg in [first, *self.inbox.drain()]:
+            self._handle(msg)
+
+    def _handle(self, msg: ToScheduler | None) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self._submit(msg)
+        elif isinstance(msg, Abort):
+            self.sched.abort(msg.rid)
+        elif isinstance(msg, StatsQuery):
+            stats = {k: float(v) for k, v in self.sched.stats().items()}
+            self.outbox.put(SchedulerStats(msg.rid, stats))
+        elif isinstance(msg, Drain):
+            self._begin_drain(msg.grace)
+
+    def _submit(self, msg: TokenizedRequest) -> None:
+        # NOTE: Register goes first on the same socket as the outputs, so the detokenizer always
+        # knows a request's stop strings before its first token.
+        self.outbox.put(Register(msg.rid, list(msg.params.stop)))
+        try:
+            if self.drain_at is not None:
+                raise ShuttingDown("the engine is shutting down")
+            self.sched.submit(msg.rid, msg.input_ids, msg.params)
+        except EngineError as e:
+            self._refuse(msg.rid, e)
+            return
+        self.live[msg.rid] = len(msg.input_ids)
+
+    def _refuse(self, rid: str, error: EngineError) -> None:
+        f = to_failure(rid, error)
+        log.info("rid=%s refused: %s", rid, error)
+        self.outbox.put(RequestFailed(rid, f.kind, f.message, f.field))
+
+    def _begin_drain(self, grace: float) -> None:
+        if self.drain_at is None:
+            log.info("draining: %d running request(s), grace %.1fs", len(self.live), grace)
+            self.drain_at = time.monotonic() + grace
+
+    def _enforce_drain(self) -> None:
+        if self.drain_at is None or self.aborted_at is not None:
+            return
+        if time.monotonic() >= self.drain_at and self.live:
+            log.info("grace period over; aborting %d request(s)", len(self.live))
+            for rid in list(self.live):
+                self.sched.abort(rid)
+            self.aborted_at = time.monotonic()
+
+    def _send(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.live.pop(out.rid, None)
+        if outputs:
+            self.outbox.put(StepOutputs(outputs))
+
+    def _exit(self) -> None:
+        import mlx.core as mx
+
+        self.sched.shutdown()
+        self._send(self.sched.step())
+        # NOTE: whatever the scheduler could not report still gets its terminal output.
+        self._send([StepOutput(rid, [], "abort", n) for rid, n in self.live.items()])
+        mx.synchronize()
+        self.outbox.put(SchedulerExited())
+        self.inbox.close()
+        self.outbox.close()
+        log.info("scheduler loop exited")

@@ -1,0 +1,95 @@
+"""Turn a client's `Generate` into prompt token ids and `SamplingParams`, or an `InvalidRequest`
+naming the field. Pure functions of the request and the tokenizer: no sockets, no state."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from engine.errors import InvalidRequest
+from engine.messages.to_tokenizer import Generate
+from engine.sampling_params import SamplingParams
+
+SOURCES = ("prompt", "messages", "input_ids")
+
+
+def sampling_params(raw: dict[str, Any], vocab_size: int) -> SamplingParams:
+    try:
+        params = msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise InvalidRequest(error_field(str(e), "params"), str(e)) from None
+    return params.validate(vocab_size)
+
+
+def source_of(req: Generate) -> str:
+    """Which of prompt / messages / input_ids the request uses (exactly one is allowed)."""
+    given = [name for name in SOURCES if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "prompt", f"give exactly one of prompt, messages, input_ids (got {given})"
+        )
+    return given[0]
+
+
+def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
+    source = source_of(req)
+    ids = _ENCODERS[source](getattr(req, source), tokenizer, vocab_size)
+    if not ids:
+        raise InvalidRequest(source, "the prompt has no tokens")
+    if len(ids) >= max_context:
+        raise InvalidRequest(source, f"{len(ids)} prompt tokens; the context holds {max_context}")
+    return ids
+
+
+def _from_prompt(prompt: str, tokenizer: Any, vocab_size: int) -> list[int]:
+    if not prompt:
+        raise InvalidRequest("prompt", "must not be empty")
+    # NOTE: as mlx-lm's generate does: no second BOS when the text already starts with one.
+    bos = getattr(tokenizer, "bos_token", None)
+    special = bos is None or not prompt.startswith(bos)
+    return list(tokenizer.encode(prompt, add_special_tokens=special))
+
+
+def _from_messages(messages: list[dict[str, Any]], tokenizer: Any, vocab_size: int) -> list[int]:
+    if not messages:
+        raise InvalidRequest("messages", "must not be empty")
+    for i, m in enumerate(messages):
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise InvalidRequest(f"messages[{i}].{key}", "must be a string")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # NOTE: a template raises anything (jinja errors included)
+        raise InvalidRequest("messages", f"chat template failed: {e}") from None
+    return list(ids)
+
+
+def _from_ids(ids: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest("input_ids", f"ids out of range [0, {vocab_size}): {bad[:8]}")
+    return ids
+
+
+_ENCODERS = {"prompt": _from_prompt, "messages": _from_messages, "input_ids": _from_ids}
+
+_PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
+_UNKNOWN = re.compile(r"unknown field `(\w+)`")
+
+
+def error_field(message: str, default: str, fields: tuple[str, ...] = ()) -> str:
+    """The field a msgspec validation error is about: `$.name`, `$[i]` of an array-like struct
+    with `fields` (index 0 is the tag), or an unknown field's name."""
+    if m := _UNKNOWN.search(message):
+        return m.group(1)
+    m = _PATH.search(message)
+    if m is None:
+        return default
+    if m.group(2):
+        return m.group(2)
+    index = int(m.group(1))
+    if index == 0:
+        return "type"
+    return fields[index - 1] if index - 1 < len(fields) else default
