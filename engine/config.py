@@ -40,7 +40,6 @@ class EngineConfig:
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
     startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
-    startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -56,8 +55,6 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        if self.startup_timeout <= 0:
-            raise ValueError("startup_timeout must be > 0")
         if self.startup_timeout <= 0:
             raise ValueError("startup_timeout must be > 0")
         if self.shutdown_grace < 0:
