@@ -1,0 +1,91 @@
+"""The prefix cache the scheduler talks to: a radix tree of token prefixes over a KV prefix store.
+
+A request's life with the cache:
+- admission: `acquire(tokens, limit)` finds and locks the longest cached prefix (at most `limit`
+  tokens: the last prompt token is always computed, for its logits); `load` copies it into the
+  request's row, so only the rest is prefilled;
+- finish, abort or retraction: `release` copies the part of the row not cached yet into the store
+  (evicting least recently used unlocked spans to make room, caching less when it cannot), inserts
+  it and drops the request's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_proc.kv_cache import KVPool
+from scheduler_proc.prefix_store import PrefixStore
+from scheduler_proc.radix_cache import Node, RadixCache
+
+
+@dataclass(eq=False)
+class Hit:
+    """A request's locked cached prefix."""
+
+    length: int
+    slots: list[int]
+    node: Node
+    released: bool = False
+
+
+class PrefixCache:
+    def __init__(self, store: PrefixStore) -> None:
+        self.store = store
+        self.tree = RadixCache()
+        self.lookups = 0
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+
+    def acquire(self, tokens: list[int], limit: int) -> Hit:
+        m = self.tree.match_prefix(tokens[: max(0, limit)])
+        self.tree.lock(m.node)
+        self.lookups += 1
+        self.lookup_tokens += len(tokens)
+        self.hit_tokens += m.length
+        return Hit(m.length, m.slots, m.node)
+
+    def load(self, hit: Hit, pool: KVPool, row: int) -> None:
+        self.store.load(pool, row, hit.slots)
+
+    def release(self, hit: Hit, tokens: list[int], pool: KVPool | None, row: int | None) -> int:
+        """Cache `tokens` (whose KV fills the row's first positions), then unlock; exactly once.
+
+        Returns how many new tokens were stored. Without a row (nothing computed), only unlocks.
+        """
+        if hit.released:
+            raise RuntimeError("prefix cache: request released twice")
+        hit.released = True
+        saved = 0 if pool is None or row is None else self._save(tokens, pool, row)
+        self.tree.unlock(hit.node)
+        return saved
+
+    def _save(self, tokens: list[int], pool: KVPool, row: int) -> int:
+        m = self.tree.match_prefix(tokens)
+        self.tree.lock(m.node)  # NOTE: making room must not evict the prefix we extend
+        n = self._make_room(len(tokens) - m.length)
+        self.tree.unlock(m.node)
+        if n <= 0:
+            return 0
+        slots = self.store.slots.alloc(n)
+        self.store.save(pool, row, m.length, slots)
+        self.tree.insert(tokens[: m.length + n], m.slots + slots)
+        return n
+
+    def _make_room(self, n: int) -> int:
+        """Evict until `n` slots are free or nothing more can go; returns what can be stored."""
+        short = n - self.store.slots.available
+        if short > 0:
+            self.store.slots.free(self.tree.evict(short))
+        return min(n, self.store.slots.available)
+
+    def stats(self) -> dict[str, int | float]:
+        rate = self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+        return {
+            "prefix_cache_hit_rate": round(rate, 4),
+            "prefix_cache_hit_tokens": self.hit_tokens,
+            "prefix_cache_lookups": self.lookups,
+            "prefix_cache_tokens": self.tree.total_tokens,
+            "prefix_cache_locked_tokens": self.tree.locked_tokens,
+            "prefix_cache_evicted_tokens": self.tree.evicted_tokens,
+            "prefix_cache_capacity": self.store.size,
+        }
