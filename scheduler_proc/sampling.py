@@ -154,17 +154,21 @@ def _with_logprobs(logits: mx.array, tokens: mx.array, n: int) -> Sampled:
     return Sampled(tokens, chosen, top, mx.take_along_axis(top_lp, order, axis=-1))
 
 
+def _u32(value: int) -> mx.array:
+    return mx.array(value, dtype=mx.uint32)
+
+
 def _gumbel(state: SamplerState, vocab: int) -> mx.array:
-    u32 = mx.uint32
+    u32 = _u32
     row = _mix(state.seed * u32(0x9E3779B1) + state.position * u32(0x85EBCA77))
-    h = _mix(row[:, None] ^ (mx.arange(vocab, dtype=u32)[None] * u32(0xC2B2AE3D)))
+    h = _mix(row[:, None] ^ (mx.arange(vocab, dtype=mx.uint32)[None] * u32(0xC2B2AE3D)))
     u = ((h >> u32(8)).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
     return -mx.log(-mx.log(u))
 
 
 def _mix(x: mx.array) -> mx.array:
     """murmur3's 32-bit finaliser: a cheap, well-spread integer hash."""
-    u32 = mx.uint32
+    u32 = _u32
     x = x ^ (x >> u32(16))
     x = x * u32(0x85EBCA6B)
     x = x ^ (x >> u32(13))

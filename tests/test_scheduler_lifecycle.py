@@ -1,0 +1,157 @@
+"""Lifecycle: launch bookkeeping, chunked prefill interleaving, abort storms, admission limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
+
+from engine.errors import InvalidRequest
+from engine.random_model import TINY_LLAMA, make_random_model
+from engine.sampling_params import SamplingParams
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_weights_dir):
+    return tiny_model(tiny_weights_dir)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A tiny llama with a 512-token vocabulary: the storm's cost is steps, not the LM head."""
+    path = tmp_path_factory.mktemp("tiny-llama-v512")
+    return tiny_model(make_random_model(path, {**TINY_LLAMA, "vocab_size": 512}))
+
+
+def _prompt(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_launch_bookkeeping(llama, overlap):
+    sched = make_scheduler(llama, disable_overlap=not overlap, chunked_prefill_size=32)
+    launched, built, finalized = [], [], []
+    sched.on_launch = lambda b: launched.append((b.step_index, b.launch_ts, b.chained))
+    real_launch, real_finalize = sched.runner.launch, sched._finalize
+    sched.runner.launch = lambda b, x: (built.append(b.step_index), real_launch(b, x))
+    sched._finalize = lambda b: (finalized.append((b.step_index, b.launch_ts)), real_finalize(b))
+    rng = random.Random(0)
+    arrivals = {
+        s: [(f"r{s}-{i}", _prompt(rng, rng.randint(1, 90)), _greedy(rng.randint(1, 30)))]
+        for i, s in enumerate((0, 0, 3, 9, 20, 21))
+    }
+    drive(sched, arrivals)
+    stats = sched.stats()
+    assert stats["steps_launched"] == len(launched) == len(built)
+    assert stats["steps_launched"] == stats["steps_fresh"] + stats["steps_chained"]
+    assert [i for i, _, _ in launched] == list(range(1, len(launched) + 1))
+    assert built == [i for i, _, _ in launched]  # stamped before the graph was built
+    assert all(ts is not None for _, ts in finalized)
+    assert sorted(i for i, _ in finalized) == [i for i, _, _ in launched]
+    chained = sum(c for _, _, c in launched)
+    assert (chained > 0) == overlap and chained == stats["steps_chained"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_running_requests_keep_decoding_between_chunks(llama, overlap):
+    sched = make_scheduler(
+        llama, disable_overlap=not overlap, chunked_prefill_size=16, max_prefill_tokens=16
+    )
+    rng = random.Random(1)
+    for i in range(8):
+        sched.submit(f"d{i}", _prompt(rng, 10), _greedy(400))
+    for _ in range(6):  # let the 8 reach steady decode
+        sched.step()
+    long_prompt = _prompt(rng, 1200)
+    sched.submit("long", long_prompt, _greedy(3))
+    chunk_steps = 0
+    got_long: list[int] = []
+    while not got_long:
+        outs = {o.rid: o for o in sched.step()}
+        got_long = outs["long"].token_ids if "long" in outs else []
+        chunk_steps += 1
+        assert all(len(outs[f"d{i}"].token_ids) >= 1 for i in range(8)), chunk_steps
+    assert chunk_steps >= 1200 // 16
+    for i in range(8):
+        sched.abort(f"d{i}")
+    outs = drive(sched, {})
+    assert got_long + tokens(outs.get("long", [])) == reference_greedy(llama, long_prompt, 3)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_abort_storm_frees_all_kv_and_keeps_serving(small_vocab, overlap):
+    sched = make_scheduler(
+        small_vocab, disable_overlap=not overlap, max_running_requests=12, chunked_prefill_size=24
+    )
+    rng = random.Random(2)
+    live: list[str] = []
+    finishes: dict[str, list[str]] = {}
+    for n in range(300):
+        rid = f"a{n}"
+        params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]))
+        sched.submit(rid, _prompt(rng, rng.randint(1, 120), 512), params)
+        live.append(rid)
+        if rng.random() < 0.3:
+            sched.abort(rid)  # while waiting
+        for _ in range(rng.randint(0, 3)):
+            for out in sched.step():
+                if out.finish_reason:
+                    finishes.setdefault(out.rid, []).append(out.finish_reason)
+            for victim in rng.sample(live, k=min(len(live), rng.randint(0, 2))):
+                sched.abort(victim)  # prefilling, decoding, in flight or already finished
+        sched.abort("never-submitted")
+    for rid in live:
+        sched.abort(rid)
+    for out in drive(sched, {}).values():
+        for o in out:
+            if o.finish_reason:
+                finishes.setdefault(o.rid, []).append(o.finish_reason)
+    assert sorted(finishes) == sorted(live)
+    assert all(len(v) == 1 for v in finishes.values())  # exactly one terminal output each
+    assert sum(v == ["abort"] for v in finishes.values()) > 100
+    stats = sched.stats()
+    assert stats["kv_rows_in_use"] == 0 and stats["kv_tokens_in_use"] == 0
+    assert stats["running"] == 0 and stats["waiting"] == 0 and not sched.has_work()
+    prompt = _prompt(rng, 50, 512)
+    outs = drive(sched, {0: [("after", prompt, _greedy(8))]})
+    assert tokens(outs["after"]) == reference_greedy(small_vocab, prompt, 8)
+
+
+def test_requests_wait_for_kv_rows(llama):
+    sched = make_scheduler(llama, max_total_tokens=2 * 256, context_length=256)
+    assert sched.stats()["kv_rows_total"] == 2
+    rng = random.Random(3)
+    prompts = [_prompt(rng, rng.randint(1, 100)) for _ in range(6)]
+    reqs = [(f"w{i}", p, _greedy(20)) for i, p in enumerate(prompts)]
+    sched.submit(*reqs[0])
+    peak = 0
+    outs: dict = {}
+    for rid, p, params in reqs[1:]:
+        sched.submit(rid, p, params)
+    while sched.has_work():
+        for o in sched.step():
+            outs.setdefault(o.rid, []).append(o)
+        peak = max(peak, sched.stats()["running"])
+    assert peak == 2
+    for rid, p, _ in reqs:
+        assert tokens(outs[rid]) == reference_greedy(llama, p, 20)
+
+
+def test_request_capped_by_row_length(llama):
+    sched = make_scheduler(llama, max_total_tokens=4 * 64, context_length=64)
+    prompt = _prompt(random.Random(4), 60)
+    outs = drive(sched, {0: [("c", prompt, _greedy(50))]})
+    assert tokens(outs["c"]) == reference_greedy(llama, prompt, 4)
+    assert outs["c"][-1].finish_reason == "length"
+    with pytest.raises(InvalidRequest) as err:
+        sched.submit("too-long", list(range(64)), _greedy(1))
+    assert err.value.field == "input_ids"
+    with pytest.raises(InvalidRequest):
+        sched.submit("bad-id", [VOCAB], _greedy(1))
