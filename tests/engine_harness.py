@@ -1,0 +1,124 @@
+"""Launch real engines (`python -m engine.cli launch`) for tests, and always clean them up."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlx_lm.generate import generate_step
+
+START_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchedEngine:
+    """One `mlx-engine launch` in its own process group; `stop()` leaves nothing running."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "engine.cli", "launch", "--model", str(model_dir)]
+        cmd += ["--zmq-port", str(self.port), *extra]
+        self._log = open(log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> LaunchedEngine:
+        deadline = time.monotonic() + timeout
+        while "engine ready" not in self.log():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"engine did not start:\n{self.log()}")
+            time.sleep(0.1)
+        return self
+
+    def child_pids(self) -> dict[str, int]:
+        return {m[0]: int(m[1]) for m in re.findall(r"(\w+) ready \(pid (\d+)\)", self.log())}
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Kill whatever is left of the engine (launcher and children share one group)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in self.child_pids().values():
+            kill_quietly(pid)
+        self.proc.wait(10)
+        self._log.close()
+
+
+def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # NOTE: a zombie still answers kill(0); its state in /proc tells it apart where there is one.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def reference_greedy(model: object, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own single-request greedy generation."""
+    import mlx.core as mx
+
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)
+    )
+    return [int(tok) for tok, _ in steps]
+
+
+TEST_TIMEOUT_S = 120
+
+
+@pytest.fixture
+def bounded() -> Iterator[None]:
+    """Fail a test that runs past TEST_TIMEOUT_S instead of hanging CI (teardown still runs)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeoutError(f"test exceeded {TEST_TIMEOUT_S}s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
