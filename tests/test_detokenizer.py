@@ -1,0 +1,85 @@
+"""Incremental detokenization: stop strings with hold-back, multi-byte characters, no per-request
+detokenizer construction on the hot path."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from detokenizer_proc.detokenizer import Detokenizer
+from scheduler_proc.output import StepOutput
+
+TEXT = "Hello wörld! 🙂 Ünïcödé ✓ end"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+def _run(detok: Detokenizer, ids: list[int], rid: str = "r", per_step: int = 1) -> list:
+    chunks = []
+    for i in range(0, len(ids), per_step):
+        last = i + per_step >= len(ids)
+        out = StepOutput(rid, ids[i : i + per_step], "length" if last else None, 1, i + per_step)
+        got, _ = detok.process([out])
+        chunks += got
+        if got and got[-1].finish_reason is not None:
+            break
+    return chunks
+
+
+def test_text_matches_decode_and_no_split_characters(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = Detokenizer(tokenizer)
+    detok.register("r", [])
+    chunks = _run(detok, ids)
+    assert "".join(c.text for c in chunks) == TEXT
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert len(ids) > len(TEXT.split())  # NOTE: the emoji and accents span several tokens
+
+
+@pytest.mark.parametrize("stop", ["wörld", "ld! 🙂", "🙂", "ö", "✓ e", "Hello"])
+def test_stop_string_never_leaks(tokenizer, stop):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = Detokenizer(tokenizer)
+    detok.register("r", ["never-there", stop])
+    chunks = _run(detok, ids)
+    assert "".join(c.text for c in chunks) == TEXT[: TEXT.find(stop)]
+    assert chunks[-1].finish_reason == "stop"
+    assert len(detok) == 0
+
+
+def test_stop_hit_asks_the_scheduler_to_abort_and_drops_late_outputs(tokenizer):
+    detok = Detokenizer(tokenizer)
+    detok.register("r", ["lo"])
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    chunks, stopped = detok.process([StepOutput("r", ids)])
+    assert stopped == ["r"] and chunks[0].text == "Hel"
+    assert detok.process([StepOutput("r", [5], "length")]) == ([], [])
+
+
+def test_special_tokens_are_not_text(tokenizer):
+    detok = Detokenizer(tokenizer)
+    detok.register("r", [])
+    ids = tokenizer.encode("Hi", add_special_tokens=False) + [tokenizer.eos_token_id]
+    chunks, _ = detok.process([StepOutput("r", ids, "stop")])
+    assert chunks[0].text == "Hi" and chunks[0].token_ids == ids
+
+
+def test_registering_a_request_is_cheap(tokenizer):
+    """A request copies one prototype instead of building a detokenizer (a vocabulary map)."""
+    detok = Detokenizer(tokenizer)
+    t0 = time.perf_counter()
+    for i in range(200):
+        detok.register(f"r{i}", ["x"])
+    per_request = (time.perf_counter() - t0) / 200
+    t0 = time.perf_counter()
+    type(detok._proto)(tokenizer._tokenizer)
+    construction = time.perf_counter() - t0
+    print(f"register {per_request * 1e6:.1f} us, construction {construction * 1e3:.2f} ms")
+    assert per_request * 20 < construction

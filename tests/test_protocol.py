@@ -1,0 +1,105 @@
+"""Wire protocol: tagged unions, typed decoders, error naming, typed errors on the wire."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.errors import EngineDead, InvalidRequest, Overloaded, ProtocolMismatch, ShuttingDown
+from engine.messages import to_client as tc
+from engine.messages import to_detokenizer as td
+from engine.messages import to_launcher as tl
+from engine.messages import to_scheduler as ts
+from engine.messages import to_tokenizer as tt
+from engine.protocol import Codec
+from engine.sampling_params import SamplingParams
+from engine.wire_errors import to_exception, to_failure
+from scheduler_proc.output import StepOutput, TokenLogprob
+from tokenizer_proc.prepare import error_field, sampling_params
+
+SAMPLES = [
+    (tt.FromClient, tt.Generate("r1", prompt="hi", params={"max_tokens": 3})),
+    (tt.FromClient, tt.Generate("r2", messages=[{"role": "user", "content": "x"}])),
+    (tt.FromClient, tt.AbortRequest("r3", "r1")),
+    (tt.FromClient, tt.Ping()),
+    (tt.FromEngine, tt.Chunks([tc.Chunk("r1", "a", [1], "stop", 2, 1)])),
+    (tt.FromEngine, tt.Control("drain")),
+    (ts.ToScheduler, ts.TokenizedRequest("r1", [1, 2], SamplingParams(stop=["x"]))),
+    (ts.ToScheduler, ts.Drain(2.5)),
+    (td.ToDetokenizer, td.StepOutputs([StepOutput("r", [1], logprobs=[TokenLogprob(-0.5)])])),
+    (td.ToDetokenizer, td.Register("r", ["\n\n"])),
+    (tc.ToClient, tc.Failure("r", "invalid_request", "bad", "top_p")),
+    (tl.ToLauncher, tl.Ready("scheduler", 12, {"model_dir": "/x", "vocab_size": 5})),
+]
+
+
+@pytest.mark.parametrize(("union", "msg"), SAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(union, msg):
+    codec = Codec(union)
+    assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_frames_are_compact_arrays_with_the_tag_first():
+    raw = msgspec.msgpack.decode(Codec(tt.FromClient).encode(tt.Generate("r1", prompt="hi")))
+    # NOTE: positional, no field names on the wire (msgspec keeps defaults in array-like frames)
+    assert raw[:3] == ["Generate", "r1", "hi"] and len(raw) == 1 + len(
+        tt.Generate.__struct_fields__
+    )
+
+
+def test_unknown_tag_and_wrong_shapes_are_rejected():
+    codec = Codec(tt.FromClient)
+    for frame in [
+        b"\xc1garbage",
+        msgspec.msgpack.encode(["Nope", "r"]),
+        msgspec.msgpack.encode({"a": 1}),
+    ]:
+        with pytest.raises(msgspec.MsgspecError):
+            codec.decode(frame)
+
+
+def test_a_frame_for_another_socket_is_rejected():
+    frame = Codec(ts.ToScheduler).encode(ts.Drain(1.0))
+    with pytest.raises(msgspec.ValidationError):
+        Codec(tt.FromClient).decode(frame)
+
+
+def test_no_pickle_anywhere():
+    import pickle
+
+    with pytest.raises(msgspec.MsgspecError):
+        Codec(tt.FromClient).decode(pickle.dumps(tt.Ping()))
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        ({"max_tokens": "x"}, "max_tokens"),
+        ({"bogus": 1}, "bogus"),
+        ({"stop": 3}, "stop"),
+        ({"top_p": 2.0}, "top_p"),
+    ],
+)
+def test_sampling_params_errors_name_the_field(raw, field):
+    with pytest.raises(InvalidRequest) as e:
+        sampling_params(raw, vocab_size=100)
+    assert e.value.field == field
+
+
+def test_error_field_of_array_like_paths():
+    fields = tt.Generate.__struct_fields__
+    assert error_field("Expected `str | null`, got `int` - at `$[2]`", "frame", fields) == "prompt"
+    assert error_field("Invalid value 'X' - at `$[0]`", "frame", fields) == "type"
+    assert error_field("Expected `array`, got `int`", "frame", fields) == "frame"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [InvalidRequest("top_p", "bad"), Overloaded("full"), ShuttingDown("bye"), EngineDead("x")]
+    + [ProtocolMismatch("v2")],
+)
+def test_typed_errors_survive_the_wire(exc):
+    back = to_exception(to_failure("r", exc))
+    assert type(back) is type(exc) and str(back) == str(exc)
+    if isinstance(exc, InvalidRequest):
+        assert back.field == "top_p"
