@@ -1,0 +1,123 @@
+"""The launcher's lifecycle with real processes: graceful SIGTERM, kill -9 of each child, a child
+that cannot start, a second signal, and a launcher that dies under its children."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from engine_harness import LaunchedEngine, alive, bounded, kill_quietly, wait_gone  # noqa: F401
+
+from engine.client import EngineClient
+from engine.errors import EngineDead, ShuttingDown
+
+pytestmark = pytest.mark.usefixtures("bounded")
+LONG = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture
+def launch(tiny_model_dir: Path, tmp_path: Path):
+    engines: list[LaunchedEngine] = []
+
+    def start(*extra: str) -> LaunchedEngine:
+        engines.append(
+            LaunchedEngine(tiny_model_dir, tmp_path / f"launch{len(engines)}.log", *extra)
+        )
+        return engines[-1].wait_ready()
+
+    yield start
+    for e in engines:
+        e.stop()
+
+
+class Streams:
+    """n streams on their own threads; records each one's last chunk or error."""
+
+    def __init__(self, address: str, n: int) -> None:
+        self.client = EngineClient(address, timeout=60.0)
+        self.started = [threading.Event() for _ in range(n)]
+        self.ends: list[object] = [None] * n
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)
+        ]
+        for t in self.threads:
+            t.start()
+        for e in self.started:
+            assert e.wait(60), "a stream produced no token"
+
+    def _run(self, i: int) -> None:
+        try:
+            for chunk in self.client.stream(input_ids=[i + 1, 7, 9], **LONG):
+                self.started[i].set()
+                self.ends[i] = chunk.finish_reason
+        except Exception as e:  # noqa: BLE001 - recorded for the test to check
+            self.ends[i] = e
+            self.started[i].set()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a stream hangs"
+
+
+def test_sigterm_with_16_streams_in_flight(launch):
+    engine = launch("--shutdown-grace", "1")
+    children = list(engine.child_pids().values())
+    streams = Streams(engine.address, 16)
+    engine.signal(signal.SIGTERM)
+    while streams.client.health():  # NOTE: the launcher needs a moment to pass the word on
+        time.sleep(0.02)
+    with pytest.raises((ShuttingDown, EngineDead)):
+        streams.client.generate(input_ids=[1], max_tokens=1)
+    assert engine.wait(timeout=1 + 15) == 0
+    streams.join(10)
+    assert all(end in ("abort", "length") for end in streams.ends), streams.ends
+    assert wait_gone(children, 5) == []
+    assert "engine stopped" in engine.log()
+
+
+@pytest.mark.parametrize("victim", ["scheduler", "tokenizer", "detokenizer"])
+def test_kill_9_of_a_child(launch, victim):
+    engine = launch()
+    pids = engine.child_pids()
+    streams = Streams(engine.address, 4)
+    kill_quietly(pids[victim])
+    streams.join(15)
+    assert all(isinstance(end, EngineDead) for end in streams.ends), streams.ends
+    assert engine.wait(timeout=15) != 0
+    assert wait_gone(list(pids.values()), 5) == []
+    with pytest.raises(EngineDead):
+        streams.client.generate(input_ids=[1], max_tokens=1)
+
+
+def test_child_that_cannot_start_is_reported(launch, tiny_model_dir, tmp_path):
+    engine = LaunchedEngine(tiny_model_dir, tmp_path / "bad.log", "--model", str(tmp_path / "nope"))
+    try:
+        assert engine.wait(timeout=60) != 0
+        assert "scheduler failed to start" in engine.log() and "nope" in engine.log()
+    finally:
+        engine.stop()
+
+
+def test_second_signal_forces_a_fast_exit(launch):
+    engine = launch("--shutdown-grace", "60")
+    children = list(engine.child_pids().values())
+    streams = Streams(engine.address, 2)
+    engine.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    engine.signal(signal.SIGINT)
+    assert engine.wait(timeout=10) != 0
+    assert wait_gone(children, 5) == []
+    streams.join(15)
+
+
+def test_children_exit_when_the_launcher_dies(launch):
+    engine = launch()
+    children = list(engine.child_pids().values())
+    kill_quietly(engine.proc.pid)
+    assert wait_gone(children, 10) == [], "orphaned children kept running"
+    assert not alive(engine.proc.pid) or engine.proc.poll() is not None
