@@ -68,8 +68,8 @@ class PushQueue(Generic[T]):
     def put(self, msg: T) -> None:
         self._sock.send(self._codec.encode(msg), copy=False)
 
-    def close(self) -> None:
-        self._sock.close()
+    def close(self, linger_ms: int | None = None) -> None:
+        self._sock.close(linger_ms)
 
 
 class PullQueue(Generic[T]):

@@ -204,14 +204,15 @@ class Launcher:
         return 0
 
     def _to_tokenizer(self, msg: FromEngine) -> None:
-        q: PushQueue[FromEngine] = PushQueue(self.ctx, self.endpoints.tokenizer, FromEngine)
-        q.put(msg)
-        q.close()
+        self._tell(self.endpoints.tokenizer, FromEngine, msg)
 
     def _to_scheduler(self, msg: ToScheduler) -> None:
-        q: PushQueue[ToScheduler] = PushQueue(self.ctx, self.endpoints.scheduler, ToScheduler)
+        self._tell(self.endpoints.scheduler, ToScheduler, msg)
+
+    def _tell(self, addr: str, union: Any, msg: Any) -> None:
+        q: PushQueue[Any] = PushQueue(self.ctx, addr, union)
         q.put(msg)
-        q.close()
+        q.close(linger_ms=500)  # NOTE: a dead receiver must not hold the launcher's exit
 
     # --- teardown -------------------------------------------------------------------------------
 

@@ -215,7 +215,9 @@ def test_every_invalid_field_is_named_and_the_engine_keeps_serving(client):
         with pytest.raises(InvalidRequest) as e:
             client.generate(max_tokens=2, **kwargs)
         assert e.value.field == field, (kwargs, e.value)
-    assert client.generate(input_ids=[1, 2], max_tokens=2).finish_reason == "length"
+    assert (
+        client.generate(input_ids=[1, 2], max_tokens=2, ignore_eos=True).finish_reason == "length"
+    )
 
 
 def test_duplicate_rid_is_refused(client):

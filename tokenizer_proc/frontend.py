@@ -302,6 +302,7 @@ class Frontend:
         elif msg.action == "fail":
             self.dead = True
             await self._end_all("engine_dead", msg.reason)
+            self.done.set()  # NOTE: the launcher stops the engine; the ROUTER's linger flushes
 
     async def _end_all(self, kind: str, reason: str = "") -> None:
         """Give every request still in the table its terminal message."""

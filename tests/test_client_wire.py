@@ -1,0 +1,143 @@
+"""The client endpoint of a launched engine under hostile or careless clients: bad frames,
+a wrong protocol version, a client killed mid-stream, a full queue, and `shutdown()`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from engine_harness import LaunchedEngine, bounded  # noqa: F401
+
+import engine.client as client_module
+from engine.client import EngineClient
+from engine.errors import Overloaded, ProtocolMismatch, ShuttingDown
+from engine.messages import to_client as tc
+from engine.protocol import Codec
+
+pytestmark = pytest.mark.usefixtures("bounded")
+LONG = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("wire") / "launch.log"
+    extra = ("--max-running-requests", "4", "--max-queued-requests", "4", "--shutdown-grace", "1")
+    launched = LaunchedEngine(tiny_model_dir, log, *extra).wait_ready()
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture
+def client(engine):
+    with EngineClient(engine.address, timeout=30.0) as c:
+        yield c
+
+
+@pytest.fixture
+def raw(engine):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(engine.address)
+    codec = Codec(tc.ToClient)
+
+    def ask(frame: bytes) -> tc.ToClient:
+        sock.send(frame)
+        return codec.decode(sock.recv())
+
+    yield ask
+    sock.close()
+    ctx.term()
+
+
+BAD_FRAMES = [
+    (os.urandom(64), "", "frame"),
+    (b"", "", "frame"),
+    (msgspec.msgpack.encode([1, 2, 3]), "", "type"),
+    (msgspec.msgpack.encode({"prompt": "hi"}), "", "frame"),
+    (msgspec.msgpack.encode(["NoSuchMessage", "r9"]), "r9", "type"),
+    (msgspec.msgpack.encode(["Generate", "r10", 5]), "r10", "prompt"),
+    (msgspec.msgpack.encode(["Generate", "r11", None, None, ["x"]]), "r11", "input_ids"),
+    (msgspec.msgpack.encode(["Generate", "r12", "hi", None, None, "params"]), "r12", "params"),
+]
+
+
+@pytest.mark.parametrize(
+    ("frame", "rid", "field"), BAD_FRAMES, ids=[f"bad{i}" for i in range(len(BAD_FRAMES))]
+)
+def test_bad_frames_get_a_typed_error(raw, client, frame, rid, field):
+    reply = raw(frame)
+    assert isinstance(reply, tc.Failure) and reply.kind == "invalid_request", reply
+    assert (reply.rid, reply.field) == (rid, field), reply
+    assert (
+        client.generate(input_ids=[1, 2], max_tokens=2, ignore_eos=True).finish_reason == "length"
+    )
+
+
+def test_protocol_mismatch_is_a_clear_error(raw, engine, monkeypatch):
+    reply = raw(msgspec.msgpack.encode(["Hello", "h1", 999]))
+    assert isinstance(reply, tc.Failure) and reply.kind == "protocol" and "v999" in reply.message
+    monkeypatch.setattr(client_module, "PROTOCOL_VERSION", 999)
+    with pytest.raises(ProtocolMismatch):
+        EngineClient(engine.address)
+
+
+def test_a_killed_client_gets_its_requests_aborted(engine, client):
+    before = client.stats().get("finish_abort", 0)
+    script = (
+        "import sys; from engine.client import EngineClient\n"
+        f"c = EngineClient({engine.address!r})\n"
+        f"streams = [c.stream(input_ids=[i + 1], **{LONG!r}) for i in range(3)]\n"
+        "[next(s) for s in streams]\n"
+        "print('streaming', flush=True)\n"
+        "import time; time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        proc.kill()
+    finally:
+        proc.wait(10)
+    deadline = time.monotonic() + 15
+    while client.stats().get("finish_abort", 0) < before + 3:
+        assert time.monotonic() < deadline, "the lost client's requests kept running"
+        time.sleep(0.1)
+    assert client.stats()["requests_in_flight"] == 0
+
+
+def test_a_full_queue_answers_overloaded(client):
+    """4 running + 4 queued fill this engine; more requests are refused, not queued."""
+
+    def run(i: int) -> str:
+        try:
+            return client.generate(input_ids=[i + 1], rid=f"q{i}", **LONG).finish_reason
+        except Overloaded:
+            return "overloaded"
+
+    with ThreadPoolExecutor(12) as pool:
+        jobs = [pool.submit(run, i) for i in range(12)]
+        deadline = time.monotonic() + 15
+        while sum(job.done() for job in jobs) < 4:
+            assert time.monotonic() < deadline, "nothing was refused"
+            time.sleep(0.05)
+        for i in range(12):
+            client.abort(f"q{i}")
+        ends = [job.result(timeout=15) for job in jobs]
+    # NOTE: a burst can find fewer than 4 admitted yet, so more than 4 may be refused.
+    assert ends.count("overloaded") >= 4 and set(ends) == {"overloaded", "abort"}, ends
+
+
+def test_shutdown_from_the_sdk(engine, client):
+    """Last in this module: it stops the module's engine."""
+    client.shutdown()
+    with pytest.raises(ShuttingDown):
+        client.generate(input_ids=[1], max_tokens=1)
+    assert engine.wait(timeout=20) == 0
