@@ -45,24 +45,29 @@ class BackendInfo:
 
     def describe(self) -> str:
         if not self.optimized:
-            return f"BLAS: {self.blas} (bundled with mlx, slow float32 GEMM)"
+            return f"BLAS: {self.blas} (bundled with mlx-cpu, slow float32 GEMM)"
+        if self.path is None:
+            return f"BLAS: {self.blas} (linked into mlx)"
         return f"BLAS: {self.blas}, {self.threads} threads, from {self.path}"
 
 
 _INFO: BackendInfo | None = None
+_LOGGED = False
 
 
 def setup_cpu_backend(config: Any = None, *, log_line: bool = True) -> BackendInfo:
     """Put an optimized BLAS under MLX; call once per process, before `import mlx.core`.
 
     `config.cpu_blas`: "auto" (find one, else the reference), "reference", or a library path.
-    Idempotent: later calls return the first result.
+    Idempotent: later calls return the first result. The log line is written once, by the first
+    call with `log_line=True` (so a quiet call can precede the process's logging setup).
     """
-    global _INFO
+    global _INFO, _LOGGED
     if _INFO is None:
         _INFO = _setup(str(getattr(config, "cpu_blas", "auto") or "auto"))
-        if log_line:
-            log.info("cpu backend: %s", _INFO.describe())
+    if log_line and not _LOGGED:
+        _LOGGED = True
+        log.info("cpu backend: %s", _INFO.describe())
     return _INFO
 
 
@@ -86,6 +91,9 @@ def child_env(info: BackendInfo, base: dict[str, str] | None = None) -> dict[str
 
 
 def _setup(spec: str) -> BackendInfo:
+    if sys.platform == "darwin":
+        # NOTE: MLX on macOS links Apple's Accelerate: already the fast BLAS.
+        return BackendInfo(blas="Accelerate", optimized=True)
     if sys.platform != "linux" or spec.lower() in _OFF_VALUES:
         return BackendInfo(blas=REFERENCE)
     bound = _bound_cblas_library()

@@ -91,38 +91,57 @@ def _assert_close(a: np.ndarray, b: np.ndarray) -> None:
 # ---------------------------------------------------------------- BLAS, in subprocesses
 
 
-@pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
-def test_openblas_logits_match_reference(tmp_path: Path, f32_dir: Path) -> None:
-    fast, fast_logits = _child(tmp_path, "auto", f32_dir)
-    ref, ref_logits = _child(tmp_path, "reference", f32_dir)
+@pytest.fixture(scope="module")
+def child_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cpu-child")
+
+
+@pytest.fixture(scope="module")
+def reference_run(child_tmp: Path, f32_dir: Path) -> tuple[dict, np.ndarray]:
+    return _child(child_tmp, "reference", f32_dir)
+
+
+@pytest.fixture(scope="module")
+def openblas_run(child_tmp: Path, f32_dir: Path) -> tuple[dict, np.ndarray, list[str]]:
+    """The optimized run, with the dynamic linker's record of what libmlx's cblas_sgemm binds to."""
+    if not HAS_OPENBLAS:
+        pytest.skip("no OpenBLAS installed (scripts/_env.sh installs it)")
+    ld = child_tmp / "ld"
+    env = {**_clean_env(), "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(ld)}
+    info, logits = _child(child_tmp, "auto", f32_dir, env=env)
+    lines = [
+        line
+        for f in child_tmp.glob("ld.*")
+        for line in f.read_text(errors="replace").splitlines()
+        if "libmlx.so" in line and "`cblas_sgemm'" in line
+    ]
+    return info, logits, lines
+
+
+def test_openblas_logits_match_reference(openblas_run: tuple, reference_run: tuple) -> None:
+    (fast, fast_logits, _), (ref, ref_logits) = openblas_run, reference_run
     assert fast["optimized"] and not ref["optimized"]
     _assert_close(fast_logits, ref_logits)
 
 
-@pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
-def test_libmlx_binds_cblas_sgemm_to_openblas(tmp_path: Path, f32_dir: Path) -> None:
-    # NOTE: the dynamic linker's own record: which library libmlx's cblas_sgemm is bound to.
-    env = {**_clean_env(), "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(tmp_path / "ld")}
-    _child(tmp_path, "auto", f32_dir, env=env)
-    lines = [
-        line
-        for f in tmp_path.glob("ld.*")
-        for line in f.read_text(errors="replace").splitlines()
-        if "libmlx.so" in line and "`cblas_sgemm'" in line
-    ]
+def test_libmlx_binds_cblas_sgemm_to_openblas(openblas_run: tuple) -> None:
+    lines = openblas_run[2]
     assert lines and all("openblas" in line for line in lines), lines
 
 
-def test_fallback_when_blas_cannot_load(tmp_path: Path, f32_dir: Path) -> None:
+def test_fallback_when_blas_cannot_load(
+    tmp_path: Path, f32_dir: Path, reference_run: tuple
+) -> None:
     bad, bad_logits = _child(tmp_path, str(tmp_path / "no-such-libblas.so"), f32_dir)
-    ref, ref_logits = _child(tmp_path, "reference", f32_dir)
+    ref, ref_logits = reference_run
     assert not bad["optimized"] and bad["path"] is None
     _assert_close(bad_logits, ref_logits)
 
 
-@pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
-def test_child_env_preloads_for_a_late_setup(tmp_path: Path, f32_dir: Path) -> None:
-    info, _ = _child(tmp_path, "auto", f32_dir)
+def test_child_env_preloads_for_a_late_setup(
+    tmp_path: Path, f32_dir: Path, openblas_run: tuple
+) -> None:
+    info = openblas_run[0]
     parent = BackendInfo("x", path=info["path"], optimized=True, env=tuple(info["env"].items()))
     env = child_env(parent, _clean_env())
     late, _ = _child(tmp_path, "auto", f32_dir, env=env, import_first=True)
