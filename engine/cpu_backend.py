@@ -185,16 +185,23 @@ def _coretype_for(flags: set[str]) -> str | None:
 
 
 def _sgemm_ok(lib: ctypes.CDLL) -> bool:
-    """A 3x4 @ 4x2 row-major product against exact integer results."""
-    m, k, n = 3, 4, 2
-    a = (ctypes.c_float * (m * k))(*range(m * k))
-    b = (ctypes.c_float * (k * n))(*range(k * n))
-    c = (ctypes.c_float * (m * n))()
+    """An odd-sized product of small integers (exact in float32) against numpy's own result.
+
+    NOTE: odd sizes reach the kernels' edge cases, where builds for the wrong CPU go wrong.
+    """
+    import numpy as np
+
+    m, k, n = 67, 45, 53
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 8, (m, k)).astype(np.float32)
+    b = rng.integers(0, 8, (k, n)).astype(np.float32)
+    c = np.zeros((m, n), np.float32)
+    ptr = ctypes.POINTER(ctypes.c_float)
+    args = [x.ctypes.data_as(ptr) for x in (a, b, c)]
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     # NOTE: CblasRowMajor=101, CblasNoTrans=111.
-    lib.cblas_sgemm(101, 111, 111, m, n, k, one, a, k, b, n, zero, c, n)
-    want = [sum(a[i * k + p] * b[p * n + j] for p in range(k)) for i in range(m) for j in range(n)]
-    return list(c) == want
+    lib.cblas_sgemm(101, 111, 111, m, n, k, one, args[0], k, args[1], n, zero, args[2], n)
+    return bool(np.array_equal(c, a.astype(np.int64) @ b.astype(np.int64)))
 
 
 def _bound_cblas_library() -> str | None:

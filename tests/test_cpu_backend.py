@@ -212,3 +212,20 @@ def _params(model: nn.Module) -> list:
     from mlx.utils import tree_flatten
 
     return tree_flatten(model.parameters())
+
+
+def test_sgemm_check_rejects_a_wrong_kernel() -> None:
+    class Broken:
+        @staticmethod
+        def cblas_sgemm(*args: object) -> None:
+            return None  # NOTE: leaves C at zero, as a miscompiled kernel might
+
+    assert not cpu_backend._sgemm_ok(Broken())  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
+def test_sgemm_check_accepts_openblas() -> None:
+    import ctypes
+
+    path = cpu_backend._candidates("auto")[0]
+    assert cpu_backend._sgemm_ok(ctypes.CDLL(path, mode=os.RTLD_LOCAL))
