@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import zmq
 
@@ -19,26 +20,20 @@ from engine.messages.to_detokenizer import (
 )
 from engine.messages.to_scheduler import Abort, ToScheduler
 from engine.messages.to_tokenizer import Chunks, FromEngine, PipelineDrained, RequestFailed
+from engine.tokenizer_loader import load_tokenizer
 
 log = logging.getLogger("detokenizer")
 
 
-def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, model_dir: str) -> None:
+def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict[str, Any]) -> None:
     child.setup("detokenizer", config.log_level)
     me = child.Child("detokenizer", endpoints.launcher, parent_pid)
     with me.starting():
-        process = DetokenizerProcess(endpoints, _load_tokenizer(model_dir))
+        tokenizer = load_tokenizer(str(facts["model_dir"]), str(facts["tokenizer_defaults"]))
+        process = DetokenizerProcess(endpoints, tokenizer)
     me.ready()
     process.serve(me.orphaned)
     me.close()
-
-
-def _load_tokenizer(model_dir: str) -> object:
-    from pathlib import Path
-
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(Path(model_dir))
 
 
 class DetokenizerProcess:

@@ -118,9 +118,7 @@ class Launcher:
         if facts is None:
             return False
         sched = facts["scheduler"]
-        self.procs["detokenizer"] = spawn(
-            "detokenizer", self.config, self.endpoints, pid, str(sched["model_dir"])
-        )
+        self.procs["detokenizer"] = spawn("detokenizer", self.config, self.endpoints, pid, sched)
         self.procs["tokenizer"] = spawn("tokenizer", self.config, self.endpoints, pid, sched)
         return self._await_ready({"detokenizer", "tokenizer"}) is not None
 

@@ -48,8 +48,13 @@ def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
 def _create(
     config: EngineConfig, endpoints: Endpoints, orphaned: threading.Event
 ) -> tuple[SchedulerLoop, dict[str, Any]]:
+    from engine.cpu_backend import setup_cpu_backend
+
+    # NOTE: before anything imports mlx.core in this process (a BLAS preload only works then).
+    setup_cpu_backend(config)
     from engine.models import resolve_model_dir
     from engine.offline import load_for_scheduler
+    from engine.tokenizer_loader import tokenizer_defaults
     from scheduler_proc.scheduler import Scheduler
 
     model_dir = resolve_model_dir(config.model)
@@ -60,6 +65,7 @@ def _create(
         "model": model_dir.name,
         "vocab_size": int(scheduler.vocab),
         "max_context": int(scheduler.stats()["kv_row_len"]),
+        "tokenizer_defaults": tokenizer_defaults(model_dir),
     }
     return SchedulerLoop(scheduler, endpoints, orphaned), facts
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from engine import child
 from engine.config import EngineConfig
 from engine.ipc import Endpoints
+from engine.tokenizer_loader import load_tokenizer
 
 
 def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict[str, Any]) -> None:
@@ -24,13 +24,7 @@ async def _serve(
     from tokenizer_proc.frontend import Frontend
 
     with me.starting():
-        tokenizer = _load_tokenizer(str(facts["model_dir"]))
+        tokenizer = load_tokenizer(str(facts["model_dir"]), str(facts["tokenizer_defaults"]))
         frontend = Frontend(config, endpoints, tokenizer, facts, me.send_launcher_shutdown)
     me.ready(endpoint=endpoints.client)
     await frontend.serve(me.orphaned)
-
-
-def _load_tokenizer(model_dir: str) -> Any:
-    from mlx_lm.utils import load_tokenizer
-
-    return load_tokenizer(Path(model_dir))

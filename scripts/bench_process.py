@@ -1,0 +1,224 @@
+"""What the process boundary costs: the SDK to a launched engine vs the scheduler in-process.
+
+Same model, same workload, same run (DESIGN.md §7: compare ratios measured together):
+  - throughput at concurrency 16 (closed loop: a new request starts when one finishes),
+  - time to first token at concurrency 1 (sequential requests).
+The two engines are measured alternately, `--rounds` times each; the best round of each counts.
+Targets (issue 5): the SDK keeps >= 95 % of the throughput and adds <= 2 ms to TTFT.
+
+  .venv/bin/python scripts/bench_process.py                        # default model (SmolLM2-135M)
+  .venv/bin/python scripts/bench_process.py --model DIR --requests 32 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.config import EngineConfig  # noqa: E402
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Figures:
+    tok_s: float
+    ttft_ms: float
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir or .gguf (default: embedded)")
+    p.add_argument("--requests", type=int, default=48, help="requests in the throughput run")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (+-50 %%)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ttft-requests", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+def workload(args: argparse.Namespace, vocab: int, n: int, max_tokens: int) -> list[Job]:
+    rng = random.Random(args.seed)
+    lo, hi = max(1, args.prompt_len // 2), args.prompt_len * 3 // 2
+    return [
+        Job([rng.randrange(vocab) for _ in range(rng.randint(lo, hi))], max_tokens)
+        for _ in range(n)
+    ]
+
+
+def greedy(job: Job) -> dict:
+    return {"max_tokens": job.max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+# --- the in-process scheduler -------------------------------------------------------------------
+
+
+class InProcess:
+    def __init__(self, model: str | None) -> None:
+        from engine.offline import load_for_scheduler
+        from scheduler_proc.scheduler import Scheduler
+
+        net, eos = load_for_scheduler(model)
+        self.sched = Scheduler(EngineConfig(model=model), net, eos)
+        self.vocab = int(self.sched.vocab)
+        self._n = 0
+
+    def _submit(self, job: Job) -> str:
+        from engine.sampling_params import SamplingParams
+
+        self._n += 1
+        rid = f"b{self._n}"
+        self.sched.submit(rid, job.ids, SamplingParams(**greedy(job)))
+        return rid
+
+    def throughput(self, jobs: list[Job], concurrency: int) -> float:
+        queue, live, tokens = list(jobs), 0, 0
+        t0 = time.perf_counter()
+        while queue or live:
+            while queue and live < concurrency:
+                self._submit(queue.pop(0))
+                live += 1
+            for out in self.sched.step():
+                tokens += len(out.token_ids)
+                live -= out.finish_reason is not None
+        return tokens / (time.perf_counter() - t0)
+
+    def ttft(self, jobs: list[Job]) -> float:
+        times = []
+        for job in jobs:
+            t0 = time.perf_counter()
+            self._submit(job)
+            first = None
+            while self.sched.has_work():
+                outs = self.sched.step()
+                if first is None and any(o.token_ids for o in outs):
+                    first = time.perf_counter() - t0
+            times.append(first)
+        return statistics.median(times) * 1e3
+
+
+# --- the SDK to a launched engine ---------------------------------------------------------------
+
+
+class Launched:
+    def __init__(self, model: str | None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.address = f"tcp://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
+        cmd += ["--model", model] if model else []
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        self._connect()
+
+    def _connect(self) -> None:
+        from engine.client import EngineClient
+        from engine.errors import EngineDead
+
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                self.client = EngineClient(self.address, connect_timeout=2.0)
+                return
+            except EngineDead:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+
+    def throughput(self, jobs: list[Job], concurrency: int) -> float:
+        return asyncio.run(self._throughput(jobs, concurrency))
+
+    async def _throughput(self, jobs: list[Job], concurrency: int) -> float:
+        from engine.client import AsyncEngineClient
+
+        gate = asyncio.Semaphore(concurrency)
+        async with AsyncEngineClient(self.address, timeout=600) as c:
+
+            async def one(job: Job) -> int:
+                async with gate:
+                    r = await c.generate(input_ids=job.ids, **greedy(job))
+                    return r.usage.completion_tokens
+
+            t0 = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(j) for j in jobs)))
+            return tokens / (time.perf_counter() - t0)
+
+    def ttft(self, jobs: list[Job]) -> float:
+        times = []
+        for job in jobs:
+            t0 = time.perf_counter()
+            stream = self.client.stream(input_ids=job.ids, **greedy(job))
+            next(stream)
+            times.append(time.perf_counter() - t0)
+            for _ in stream:
+                pass
+        return statistics.median(times) * 1e3
+
+    def close(self) -> None:
+        self.client.shutdown()
+        self.client.close()
+        self.proc.wait(60)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def measure(engine: object, tput_jobs: list[Job], ttft_jobs: list[Job], conc: int) -> Figures:
+    return Figures(engine.throughput(tput_jobs, conc), engine.ttft(ttft_jobs))  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    args = parse()
+    from engine.cpu_backend import setup_cpu_backend
+
+    # NOTE: the launched scheduler sets up the same BLAS itself, so both sides match.
+    info = setup_cpu_backend(EngineConfig(), log_line=False)
+    inproc = InProcess(args.model)
+    sdk = Launched(args.model)
+    tput_jobs = workload(args, inproc.vocab, args.requests, args.max_tokens)
+    ttft_jobs = workload(args, inproc.vocab, args.ttft_requests, 4)
+    warm = workload(args, inproc.vocab, 4, 4)
+    for engine in (inproc, sdk):
+        measure(engine, warm, warm[:2], 4)
+    results: dict[str, list[Figures]] = {"in-process scheduler": [], "SDK -> 3 processes": []}
+    for _ in range(args.rounds):
+        for name, engine in zip(results, (inproc, sdk), strict=True):
+            results[name].append(measure(engine, tput_jobs, ttft_jobs, args.concurrency))
+    sdk.close()
+    report(args, info.describe(), results)
+
+
+def report(args: argparse.Namespace, blas: str, results: dict[str, list[Figures]]) -> None:
+    best = {
+        k: Figures(max(f.tok_s for f in v), min(f.ttft_ms for f in v)) for k, v in results.items()
+    }
+    print(
+        f"model={args.model or 'default (SmolLM2-135M)'} blas={blas} requests={args.requests} "
+        f"prompt~{args.prompt_len} max_tokens={args.max_tokens} rounds={args.rounds}"
+    )
+    print(f"{'engine':24} {'tok/s @' + str(args.concurrency):>12} {'TTFT ms @1':>12}   rounds")
+    for name, fig in best.items():
+        rounds = ", ".join(f"{f.tok_s:.0f}/{f.ttft_ms:.2f}" for f in results[name])
+        print(f"{name:24} {fig.tok_s:12.1f} {fig.ttft_ms:12.2f}   {rounds}")
+    base, sdk = best.values()
+    print(f"throughput ratio SDK / in-process: {sdk.tok_s / base.tok_s:.3f} (target >= 0.95)")
+    print(f"TTFT added by the SDK: {sdk.ttft_ms - base.ttft_ms:+.2f} ms (target <= 2 ms)")
+
+
+if __name__ == "__main__":
+    main()
