@@ -50,6 +50,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ttft-requests", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--inprocess-sdk", action="store_true", help="also the SDK over InProcessTransport"
+    )
     return p.parse_args()
 
 
@@ -116,29 +119,33 @@ class InProcess:
 # --- the SDK to a launched engine ---------------------------------------------------------------
 
 
-class Launched:
-    def __init__(self, model: str | None) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.address = f"tcp://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
-        cmd += ["--model", model] if model else []
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        self._connect()
+class Sdk:
+    """The SDK, to a launched engine (`address`) or to the in-process transport (`model`)."""
 
-    def _connect(self) -> None:
+    def __init__(self, address: str | None = None, model: str | None = None) -> None:
         from engine.client import EngineClient
-        from engine.errors import EngineDead
 
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                self.client = EngineClient(self.address, connect_timeout=2.0)
-                return
-            except EngineDead:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise
+        self.address = address
+        self._transport = None
+        if address is None:
+            from engine.inprocess import InProcessTransport
+
+            self._transport = InProcessTransport(model)
+        self.client = EngineClient(address or "", transport=self._shared())
+
+    def _shared(self):  # noqa: ANN202 - a transport that outlives each client
+        if self._transport is None:
+            return None
+        transport = self._transport
+
+        class Shared:
+            def __getattr__(self, name: str):  # noqa: ANN204
+                return getattr(transport, name)
+
+            def close(self) -> None:
+                pass
+
+        return Shared()
 
     def throughput(self, jobs: list[Job], concurrency: int) -> float:
         return asyncio.run(self._throughput(jobs, concurrency))
@@ -147,7 +154,9 @@ class Launched:
         from engine.client import AsyncEngineClient
 
         gate = asyncio.Semaphore(concurrency)
-        async with AsyncEngineClient(self.address, timeout=600) as c:
+        async with AsyncEngineClient(
+            self.address or "", timeout=600, transport=self._shared()
+        ) as c:
 
             async def one(job: Job) -> int:
                 async with gate:
@@ -169,10 +178,38 @@ class Launched:
                 pass
         return statistics.median(times) * 1e3
 
+    def roundtrip_ms(self, n: int = 50) -> float:
+        """A stats() call (launched: SDK -> tokenizer -> scheduler -> detokenizer -> SDK)."""
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.client.stats()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
     def close(self) -> None:
-        self.client.shutdown()
+        if self._transport is not None:
+            self._transport.close()
+        else:
+            self.client.shutdown()
         self.client.close()
-        self.proc.wait(60)
+
+
+def launch(model: str | None) -> tuple[subprocess.Popen, Sdk]:
+    from engine.errors import EngineDead
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
+    proc = subprocess.Popen(cmd + (["--model", model] if model else []), stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return proc, Sdk(address=f"tcp://127.0.0.1:{port}")
+        except EngineDead:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -188,19 +225,27 @@ def main() -> None:
 
     # NOTE: the launched scheduler sets up the same BLAS itself, so both sides match.
     info = setup_cpu_backend(EngineConfig(), log_line=False)
-    inproc = InProcess(args.model)
-    sdk = Launched(args.model)
-    tput_jobs = workload(args, inproc.vocab, args.requests, args.max_tokens)
-    ttft_jobs = workload(args, inproc.vocab, args.ttft_requests, 4)
-    warm = workload(args, inproc.vocab, 4, 4)
-    for engine in (inproc, sdk):
+    engines = {"in-process scheduler": InProcess(args.model)}
+    if args.inprocess_sdk:
+        engines["SDK -> in-process"] = Sdk(model=args.model)
+    proc, engines["SDK -> 3 processes"] = launch(args.model)
+    vocab = engines["in-process scheduler"].vocab  # type: ignore[attr-defined]
+    tput_jobs = workload(args, vocab, args.requests, args.max_tokens)
+    ttft_jobs = workload(args, vocab, args.ttft_requests, 4)
+    warm = workload(args, vocab, 4, 4)
+    for engine in engines.values():
         measure(engine, warm, warm[:2], 4)
-    results: dict[str, list[Figures]] = {"in-process scheduler": [], "SDK -> 3 processes": []}
+    results: dict[str, list[Figures]] = {name: [] for name in engines}
     for _ in range(args.rounds):
-        for name, engine in zip(results, (inproc, sdk), strict=True):
+        for name, engine in engines.items():
             results[name].append(measure(engine, tput_jobs, ttft_jobs, args.concurrency))
-    sdk.close()
+    roundtrip = engines["SDK -> 3 processes"].roundtrip_ms()  # type: ignore[attr-defined]
+    for engine in engines.values():
+        if isinstance(engine, Sdk):
+            engine.close()
+    proc.wait(60)
     report(args, info.describe(), results)
+    print(f"message round trip through all three processes (stats()): {roundtrip:.3f} ms")
 
 
 def report(args: argparse.Namespace, blas: str, results: dict[str, list[Figures]]) -> None:
@@ -215,9 +260,13 @@ def report(args: argparse.Namespace, blas: str, results: dict[str, list[Figures]
     for name, fig in best.items():
         rounds = ", ".join(f"{f.tok_s:.0f}/{f.ttft_ms:.2f}" for f in results[name])
         print(f"{name:24} {fig.tok_s:12.1f} {fig.ttft_ms:12.2f}   {rounds}")
-    base, sdk = best.values()
-    print(f"throughput ratio SDK / in-process: {sdk.tok_s / base.tok_s:.3f} (target >= 0.95)")
-    print(f"TTFT added by the SDK: {sdk.ttft_ms - base.ttft_ms:+.2f} ms (target <= 2 ms)")
+    base = best["in-process scheduler"]
+    for name, fig in best.items():
+        if name != "in-process scheduler":
+            print(
+                f"{name}: throughput ratio {fig.tok_s / base.tok_s:.3f} (target >= 0.95), "
+                f"TTFT {fig.ttft_ms - base.ttft_ms:+.2f} ms (target <= +2 ms)"
+            )
 
 
 if __name__ == "__main__":
