@@ -34,7 +34,7 @@ class GenerationResult:
 class OfflineEngine:
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
-        net, eos = load_for_scheduler(self.config.model)
+        net, eos = load_for_scheduler(self.config.model, self.config)
         self.scheduler = Scheduler(self.config, net, eos)
         self._ids = itertools.count()
 
@@ -73,18 +73,21 @@ class OfflineEngine:
         self.close()
 
 
-def load_for_scheduler(model: str | None) -> tuple[Any, list[int]]:
-    """(model, eos ids); a weights-only directory (random test models) needs no tokenizer."""
+def load_for_scheduler(model: str | None, config: Any = None) -> tuple[Any, list[int]]:
+    """(model, eos ids), dequantized per `config.cpu_dequantize` on CPU; a weights-only
+    directory (random test models) needs no tokenizer."""
+    from engine.cpu_dequantize import maybe_dequantize
     from engine.models import load, resolve_model_dir
 
     model_dir = resolve_model_dir(model)
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
         net, tokenizer = load(str(model_dir))
-        return net, sorted(tokenizer.eos_token_ids)
-    from mlx_lm.utils import load_model
+        eos = sorted(tokenizer.eos_token_ids)
+    else:
+        from mlx_lm.utils import load_model
 
-    net, _ = load_model(model_dir)
-    return net, _config_eos(model_dir)
+        net, eos = load_model(model_dir)[0], _config_eos(model_dir)
+    return maybe_dequantize(net, config), eos
 
 
 def _config_eos(model_dir: Path) -> list[int]:

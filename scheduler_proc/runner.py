@@ -32,12 +32,20 @@ class Runner:
 
     def _prefill(self, chunk: Chunk) -> None:
         req = chunk.req
-        tokens = mx.array(req.input_ids[chunk.start : chunk.end], dtype=mx.int32)[None]
-        logits = self.model(tokens, cache=self.pool.prefill_view(req.row, chunk.start))
+        # NOTE: as mlx-lm does, the last prompt token runs on its own, so the LM head (the
+        # costliest matmul at small sizes) is computed for one position, not the whole chunk.
+        body_end = chunk.end - 1 if chunk.last else chunk.end
+        if body_end > chunk.start:
+            self._forward(req, chunk.start, body_end)
         req.kv_len = chunk.end
         if chunk.last:
+            logits = self._forward(req, chunk.end - 1, chunk.end)
             state = build_state([row_params(req)], self.vocab)
             chunk.out = sample(logits[:, -1, :], state)
+
+    def _forward(self, req: Req, start: int, end: int) -> mx.array:
+        tokens = mx.array(req.input_ids[start:end], dtype=mx.int32)[None]
+        return self.model(tokens, cache=self.pool.prefill_view(req.row, start))
 
     def _decode(self, batch: Batch, inputs: mx.array) -> Sampled:
         if batch.sampler is None:
