@@ -4,6 +4,8 @@ A request's life with the cache:
 - admission: `acquire(tokens, limit)` finds and locks the longest cached prefix (at most `limit`
   tokens: the last prompt token is always computed, for its logits); `load` copies it into the
   request's row, so only the rest is prefilled;
+- prefill done: `publish` caches the prompt at once, so requests arriving while it decodes (or
+  waiting for it, see `shares_pending_prefix`) reuse it; the request's lock moves to its end;
 - finish, abort or retraction: `release` copies the part of the row not cached yet into the store
   (evicting least recently used unlocked spans to make room, caching less when it cannot), inserts
   it and drops the request's lock.
@@ -47,6 +49,19 @@ class PrefixCache:
     def load(self, hit: Hit, pool: KVPool, row: int) -> None:
         self.store.load(pool, row, hit.slots)
 
+    def cached_length(self, tokens: list[int]) -> int:
+        """Longest cached prefix, without locking or counting a lookup."""
+        return self.tree.match_prefix(tokens).length
+
+    def publish(self, hit: Hit, tokens: list[int], pool: KVPool, row: int) -> int:
+        """Cache `tokens` (computed in the row) while the request keeps running; moves its lock."""
+        saved = self._save(tokens, pool, row)
+        m = self.tree.match_prefix(tokens)
+        self.tree.lock(m.node)
+        self.tree.unlock(hit.node)
+        hit.length, hit.slots, hit.node = m.length, m.slots, m.node
+        return saved
+
     def release(self, hit: Hit, tokens: list[int], pool: KVPool | None, row: int | None) -> int:
         """Cache `tokens` (whose KV fills the row's first positions), then unlock; exactly once.
 
@@ -89,3 +104,27 @@ class PrefixCache:
             "prefix_cache_evicted_tokens": self.tree.evicted_tokens,
             "prefix_cache_capacity": self.store.size,
         }
+
+
+def shares_pending_prefix(
+    tokens: list[int], cached: int, pending: list[list[int]], min_tokens: int
+) -> bool:
+    """Whether `tokens` shares at least `min_tokens` beyond `cached` with a prompt being prefilled.
+
+    NOTE: such a request is better admitted after that prefill publishes its prompt: it then
+    computes the shared part zero times instead of once more (many users arriving at once with
+    one system prompt).
+    """
+    return any(common_prefix(tokens, other) - cached >= min_tokens for other in pending)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix, by bisection over slice comparisons (C speed, not per token)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler_proc.prefix_cache import Hit, PrefixCache
+from scheduler_proc.prefix_cache import Hit, PrefixCache, common_prefix, shares_pending_prefix
 from scheduler_proc.prefix_store import SlotAllocator
 from scheduler_proc.radix_cache import Node, RadixCache
 
@@ -143,6 +143,18 @@ def _retire(cache, store, pool, running, rng) -> None:
         assert stored >= end, "had room but did not cache the whole sequence"
 
 
+def _publish(cache, pool, running, rng) -> None:
+    """Prefill done: the prompt is cached while the request keeps running, its lock moves."""
+    r = rng.choice(running)
+    _compute(pool, r.row, r.tokens, r.hit.length, len(r.tokens))
+    before = r.hit.length
+    cache.publish(r.hit, r.tokens, pool, r.row)
+    assert r.hit.length >= before
+    assert r.hit.length == max(
+        len(p) for p in [()] + list(paths(cache.tree)) if list(p) == r.tokens[: len(p)]
+    )
+
+
 def _evict(cache, store, rng) -> None:
     """Explicit eviction: only unlocked leaves go, least recently used first."""
     ages = {id(n): n.last_used for n in cache.tree.nodes()}
@@ -167,8 +179,10 @@ def test_random_interleavings(seed: int) -> None:
     prev = check(cache, running, store)
     for step in range(400):
         op = rng.random()
-        if op < 0.45 and len(running) < 6:
+        if op < 0.4 and len(running) < 6:
             _admit(cache, store, pool, running, rng, bases, step)
+        elif op < 0.5 and running:
+            _publish(cache, pool, running, rng)
         elif op < 0.9 and running:
             _retire(cache, store, pool, running, rng)
         else:
@@ -230,3 +244,16 @@ def test_double_free_is_caught() -> None:
     slots.free(got)
     with pytest.raises(RuntimeError):
         slots.free(got[:1])
+
+
+def test_common_prefix_and_pending_share() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        a = [rng.randrange(3) for _ in range(rng.randint(0, 12))]
+        b = a[: rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 5))]
+        naive = next(
+            (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+        )
+        assert common_prefix(a, b) == naive
+    assert shares_pending_prefix([1] * 100, 10, [[2], [1] * 80], min_tokens=70)
+    assert not shares_pending_prefix([1] * 100, 11, [[2], [1] * 80], min_tokens=70)
