@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from engine.config import EngineConfig
+from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from scheduler_proc.output import StepOutput, TokenLogprob
 from scheduler_proc.scheduler import Scheduler
@@ -45,19 +48,31 @@ class OfflineEngine:
     ) -> list[GenerationResult]:
         """Run every prompt to completion; one dict of sampling keywords applies to all."""
         per_prompt = params if isinstance(params, list) else [params or {}] * len(prompts)
-        results = {}
-        for ids, kw in zip(prompts, per_prompt, strict=True):
-            rid = f"offline-{next(self._ids)}"
-            self.scheduler.submit(rid, list(ids), SamplingParams(**kw))
-            results[rid] = GenerationResult(rid)
-        pending = set(results)
+        results: dict[str, GenerationResult] = {}
+        try:
+            for ids, kw in zip(prompts, per_prompt, strict=True):
+                rid = f"offline-{next(self._ids)}"
+                self.scheduler.submit(rid, list(ids), _params(kw))
+                results[rid] = GenerationResult(rid)
+        except Exception:
+            self._abort_all(results)  # NOTE: all or nothing; no orphans left running
+            raise
+        self._run(results)
+        return list(results.values())
+
+    def _abort_all(self, results: dict[str, GenerationResult]) -> None:
+        for rid in results:
+            self.scheduler.abort(rid)
+        self._run(results)
+
+    def _run(self, results: dict[str, GenerationResult]) -> None:
+        pending = {rid for rid, r in results.items() if r.finish_reason is None}
         while pending:
             for out in self.scheduler.step():
                 if out.rid in results:
                     results[out.rid].add(out)
                     if out.finish_reason is not None:
                         pending.discard(out.rid)
-        return list(results.values())
 
     def stats(self) -> dict[str, int | float]:
         return self.scheduler.stats()
@@ -71,6 +86,13 @@ class OfflineEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _params(kw: dict[str, Any]) -> SamplingParams:
+    try:
+        return msgspec.convert(kw, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise InvalidRequest("params", str(e)) from e
 
 
 def load_for_scheduler(model: str | None, config: Any = None) -> tuple[Any, list[int]]:

@@ -7,7 +7,7 @@ import random
 import pytest
 from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
 
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, ShuttingDown
 from engine.random_model import TINY_LLAMA, make_random_model
 from engine.sampling_params import SamplingParams
 
@@ -155,3 +155,20 @@ def test_request_capped_by_row_length(llama):
     assert err.value.field == "input_ids"
     with pytest.raises(InvalidRequest):
         sched.submit("bad-id", [VOCAB], _greedy(1))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_shutdown_aborts_everything_and_refuses_new_work(llama, overlap):
+    sched = make_scheduler(llama, disable_overlap=not overlap, max_running_requests=2)
+    rng = random.Random(5)
+    for i in range(4):
+        sched.submit(f"s{i}", _prompt(rng, 20), _greedy(50))
+    for _ in range(4):
+        sched.step()  # two decoding (a step in flight with overlap), two waiting
+    sched.shutdown()
+    outs = sched.step()
+    assert sorted(o.rid for o in outs) == [f"s{i}" for i in range(4)]
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert not sched.has_work() and sched.stats()["kv_rows_in_use"] == 0
+    with pytest.raises(ShuttingDown):
+        sched.submit("late", [1], _greedy(1))

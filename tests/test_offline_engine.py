@@ -1,0 +1,48 @@
+"""OfflineEngine: the in-process API over the scheduler (tiny model; one slow real-model check)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_util import reference_greedy, tiny_model
+
+from engine.errors import InvalidRequest
+from engine.offline import OfflineEngine
+
+
+def _prompts(n: int, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
+    prompts = _prompts(5)
+    with OfflineEngine(str(tiny_weights_dir), max_total_tokens=8 * 512, context_length=512) as eng:
+        same = eng.generate(prompts, dict(max_tokens=6, temperature=0.0, ignore_eos=True))
+        model = tiny_model(tiny_weights_dir)
+        assert [r.token_ids for r in same] == [reference_greedy(model, p, 6) for p in prompts]
+        assert all(r.finish_reason == "length" and r.completion_tokens == 6 for r in same)
+        per = eng.generate(prompts[:2], [dict(max_tokens=2), dict(max_tokens=3, seed=1)])
+        assert [len(r.token_ids) for r in per] == [2, 3]
+        stats = eng.stats()
+        assert stats["generated_tokens"] == 5 * 6 + 5
+        assert stats["requests_finished"] == 7 and stats["kv_tokens_in_use"] == 0
+        assert stats["steps_launched"] == stats["steps_fresh"] + stats["steps_chained"]
+        with pytest.raises(InvalidRequest) as err:
+            eng.generate([[1, 2], [3]], [dict(max_tokens=4), dict(top_p=0.0)])
+        assert err.value.field == "top_p"
+        assert not eng.scheduler.has_work() and eng.stats()["requests_aborted"] == 1
+        with pytest.raises(InvalidRequest):
+            eng.generate([[1]], dict(max_tokenz=3))
+
+
+@pytest.mark.slow
+def test_default_model_greedy_parity():
+    from engine.offline import load_for_scheduler
+
+    prompts = [list(range(100, 100 + n)) for n in (1, 7, 130)]
+    with OfflineEngine(chunked_prefill_size=32, context_length=512) as eng:
+        results = eng.generate(prompts, dict(max_tokens=8, temperature=0.0, ignore_eos=True))
+    model, _ = load_for_scheduler(None, eng.config)
+    assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
