@@ -94,12 +94,15 @@ def _setup(spec: str) -> BackendInfo:
     if sys.platform == "darwin":
         # NOTE: MLX on macOS links Apple's Accelerate: already the fast BLAS.
         return BackendInfo(blas="Accelerate", optimized=True)
-    if sys.platform != "linux" or spec.lower() in _OFF_VALUES:
+    if sys.platform != "linux":
         return BackendInfo(blas=REFERENCE)
     bound = _bound_cblas_library()
     if bound:
-        # NOTE: already in the global scope (LD_PRELOAD from `child_env`): that one is in use.
+        # NOTE: already in the global scope (LD_PRELOAD from `child_env`): that one is in use,
+        # whatever the config asks, and the log line must say so.
         return _info_for(bound)
+    if spec.lower() in _OFF_VALUES:
+        return BackendInfo(blas=REFERENCE)
     if "mlx.core" in sys.modules:
         # NOTE: too late to interpose: libmlx bound its symbols when it was imported.
         return _too_late()

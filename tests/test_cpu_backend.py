@@ -229,3 +229,12 @@ def test_sgemm_check_accepts_openblas() -> None:
 
     path = cpu_backend._candidates("auto")[0]
     assert cpu_backend._sgemm_ok(ctypes.CDLL(path, mode=os.RTLD_LOCAL))
+
+
+@pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
+def test_reported_blas_is_the_preloaded_one(tmp_path: Path, f32_dir: Path) -> None:
+    # NOTE: with LD_PRELOAD in effect, asking for "reference" cannot undo it; the report must not lie.
+    path = cpu_backend._candidates("auto")[0]
+    env = {**_clean_env(), "LD_PRELOAD": path}
+    info, _ = _child(tmp_path, "reference", f32_dir, env=env)
+    assert info["optimized"]
