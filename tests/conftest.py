@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.random_model import TINY_LLAMA, TINY_QWEN3, make_random_model
+from engine.cpu_backend import setup_cpu_backend
+
+# NOTE: before anything imports mlx.core: in-process tests then run MLX on the optimized BLAS
+# (Linux CPU), as the scheduler process does; a no-op elsewhere.
+setup_cpu_backend(None, log_line=False)
+
+from engine.random_model import TINY_LLAMA, TINY_QWEN3, make_random_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
