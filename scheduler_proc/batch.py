@@ -16,6 +16,7 @@ class Chunk:
     start: int
     end: int
     out: Sampled | None = None
+    joined: bool = False  # the last token runs as a row of the batch's decode forward
 
     @property
     def last(self) -> bool:
@@ -24,14 +25,22 @@ class Chunk:
 
 @dataclass(eq=False)
 class Batch:
+    """Decode rows are `decode + joined`: rows `[0, D)` decoding, then the requests whose last
+    prompt token rides in the same forward (rows `D..`, the first prefilling rows)."""
+
     decode: list[Req]
     chunks: list[Chunk] = field(default_factory=list)
+    joined: list[Req] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # decode rows' KV write positions
     sampler: SamplerState | None = None
     chained: bool = False
     step_index: int = -1  # stamped by prepare_launch
     launch_ts: float | None = None  # stamped by prepare_launch, before graph building
     decode_out: Sampled | None = None
+
+    @property
+    def rows(self) -> list[Req]:
+        return self.decode + self.joined
 
     @property
     def pure_decode(self) -> bool:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from engine.errors import ModelError
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -188,10 +190,10 @@ def probe_model(model) -> tuple[list[LayerShape], int]:
         kinds = {type(c) for c in model.make_cache()}
         if kinds - {mlx_cache.KVCache}:
             names = ", ".join(sorted(k.__name__ for k in kinds))
-            raise ValueError(f"unsupported cache types for the slot KV cache: {names}")
+            raise ModelError(f"unsupported cache types for the slot KV cache: {names}")
     probes = [_ShapeProbe() for _ in model.layers]
     logits = model(mx.array([[0]]), cache=probes)
     mx.eval(logits)
     if any(p.shape is None for p in probes):
-        raise ValueError("a layer did not call cache.update_and_fetch")
+        raise ModelError("a layer did not call cache.update_and_fetch")
     return [p.shape for p in probes], logits.shape[-1]

@@ -23,12 +23,13 @@ class Runner:
         """Build every forward of the batch and queue it; nothing here blocks."""
         for chunk in batch.chunks:
             self._prefill(chunk)
-        if batch.decode:
+        if batch.rows:
             batch.decode_out = self._decode(batch, decode_inputs)
         mx.async_eval(*_outputs(batch), *self.pool.state())
 
     def decode_inputs(self, batch: Batch) -> mx.array:
-        return mx.array([r.output_ids[-1] for r in batch.decode], dtype=mx.int32)
+        last = [r.output_ids[-1] for r in batch.decode] + [r.input_ids[-1] for r in batch.joined]
+        return mx.array(last, dtype=mx.int32)
 
     def _prefill(self, chunk: Chunk) -> None:
         req = chunk.req
@@ -37,8 +38,9 @@ class Runner:
         body_end = chunk.end - 1 if chunk.last else chunk.end
         if body_end > chunk.start:
             self._forward(req, chunk.start, body_end)
-        req.kv_len = chunk.end
-        if chunk.last:
+        req.kv_len = body_end
+        if chunk.last and not chunk.joined:
+            req.kv_len = chunk.end
             logits = self._forward(req, chunk.end - 1, chunk.end)
             state = build_state([row_params(req)], self.vocab)
             chunk.out = sample(logits[:, -1, :], state)
@@ -48,10 +50,11 @@ class Runner:
         return self.model(tokens, cache=self.pool.prefill_view(req.row, start))
 
     def _decode(self, batch: Batch, inputs: mx.array) -> Sampled:
+        rows = batch.rows
         if batch.sampler is None:
-            batch.sampler = build_state([row_params(r) for r in batch.decode], self.vocab)
-        batch.offsets = [r.kv_len for r in batch.decode]
-        for r in batch.decode:
+            batch.sampler = build_state([row_params(r) for r in rows], self.vocab)
+        batch.offsets = [r.kv_len for r in rows]
+        for r in rows:
             r.kv_len += 1
         logits = self.model(inputs[:, None], cache=self.pool.decode_view(batch.offsets))
         return sample(logits[:, -1, :], batch.sampler)

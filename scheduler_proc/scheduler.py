@@ -30,6 +30,19 @@ from scheduler_proc.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
+COUNTERS = (
+    "steps_launched",  # fresh + chained, counted by prepare_launch only
+    "steps_fresh",
+    "steps_chained",
+    "batches_finalized",
+    "prefill_tokens",
+    "generated_tokens",
+    "last_tokens_joined",  # prompts whose last token ran inside a decode forward
+    "last_tokens_alone",  # ... or in a one-token forward of its own
+    "requests_finished",
+    "requests_aborted",
+)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, model: nn.Module, eos_token_ids: Iterable[int]):
@@ -52,10 +65,7 @@ class Scheduler:
         self._current: Batch | None = None
         self._next: Batch | None = None
         self._closed = False
-        self._counters = dict.fromkeys(
-            ("steps_launched", "steps_fresh", "steps_chained", "batches_finalized",
-             "prefill_tokens", "generated_tokens", "requests_finished", "requests_aborted"), 0
-        )  # fmt: skip
+        self._counters = dict.fromkeys(COUNTERS, 0)
 
     # -- public interface --------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -173,7 +183,7 @@ class Scheduler:
 
     def _launch_fresh(self, batch: Batch) -> None:
         self.prepare_launch(batch)
-        inputs = self.runner.decode_inputs(batch) if batch.decode else None
+        inputs = self.runner.decode_inputs(batch) if batch.rows else None
         self.runner.launch(batch, inputs)
 
     def _launch_chained(self, prev: Batch) -> Batch:
@@ -197,7 +207,26 @@ class Scheduler:
         decode = self.slots.decoding()
         if not chunks and not decode:
             return None
-        return Batch(decode=list(decode), chunks=chunks)
+        return Batch(decode=list(decode), chunks=chunks, joined=self._join_last_tokens(chunks))
+
+    def _join_last_tokens(self, chunks: list[Chunk]) -> list[Req]:
+        """Last chunks of the first prefilling rows run their last token in the decode forward.
+
+        NOTE: a separate one-token forward would read every weight once more per prompt; as rows
+        `D, D+1, ...` right after the decoding rows they ride in the batch's decode step instead.
+        """
+        by_req = {c.req.rid: c for c in chunks}
+        joined = []
+        for req in self.slots.prefilling():
+            chunk = by_req.get(req.rid)
+            if chunk is None or not chunk.last:
+                break
+            chunk.joined = True
+            joined.append(req)
+        alone = sum(c.last for c in chunks) - len(joined)
+        self._counters["last_tokens_joined"] += len(joined)
+        self._counters["last_tokens_alone"] += alone
+        return joined
 
     def _add_chunk(self, req: Req, chunks: list[Chunk], budget: int) -> int:
         n = min(self.config.chunked_prefill_size, req.prompt_len - req.prefilled, budget)
@@ -212,14 +241,24 @@ class Scheduler:
         assert batch.launch_ts is not None and batch.step_index > 0, "batch was never launched"
         self._counters["batches_finalized"] += 1
         if batch.decode_out is not None:
-            for req, tok, lp in zip(batch.decode, *_host(batch.decode_out), strict=True):
+            n = len(batch.decode)
+            for i, (req, tok, lp) in enumerate(
+                zip(batch.rows, *_host(batch.decode_out), strict=True)
+            ):
+                if i >= n:
+                    self._start_decoding(req)
                 self._accept(req, tok, lp)
         for chunk in batch.chunks:
-            if chunk.out is not None and not chunk.req.finished:
-                chunk.req.state = State.DECODING
-                self._to_promote.append(chunk.req)
+            if chunk.out is not None:
+                self._start_decoding(chunk.req)
                 tok, lp = _host(chunk.out)
                 self._accept(chunk.req, tok[0], lp[0])
+
+    def _start_decoding(self, req: Req) -> None:
+        """Its prompt is in the KV and its first token sampled: it joins the decode rows."""
+        if not req.finished:
+            req.state = State.DECODING
+            self._to_promote.append(req)
 
     def _accept(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
         if req.finished:

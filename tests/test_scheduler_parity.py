@@ -51,6 +51,8 @@ def _check_parity(model, overlap: bool) -> None:
     assert stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0
     if overlap:
         assert stats["steps_chained"] > 0
+    # NOTE: both routes of a prompt's last token were taken: inside the decode forward, alone.
+    assert stats["last_tokens_joined"] > 0 and stats["last_tokens_alone"] > 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
