@@ -7,7 +7,7 @@ from typing import Any
 
 from detokenizer_proc.stream import TextStream
 from engine.messages.to_client import Chunk
-from scheduler_proc.output import StepOutput
+from scheduler_proc.output import StepOutput, TokenLogprob
 
 
 class Detokenizer:
@@ -69,6 +69,5 @@ def _chunk(out: StepOutput, text: str, finish: str | None) -> Chunk:
     )
 
 
-def _logprobs(out: StepOutput) -> list[Any]:
-    value = getattr(out, "logprobs", None)
-    return list(value) if value else []
+def _logprobs(out: StepOutput) -> list[TokenLogprob]:
+    return list(out.logprobs)

@@ -27,12 +27,13 @@ def free_port() -> int:
 class LaunchedEngine:
     """One `mlx-engine launch` in its own process group; `stop()` leaves nothing running."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path | None, log_path: Path, *extra: str) -> None:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "engine.cli", "launch", "--model", str(model_dir)]
-        cmd += ["--zmq-port", str(self.port), *extra]
+        cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(self.port)]
+        cmd += ["--model", str(model_dir)] if model_dir is not None else []
+        cmd += list(extra)
         self._log = open(log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True

@@ -147,6 +147,15 @@ def test_stop_string_across_token_boundaries(client, workload):
     assert all(stop not in c.text for c in chunks)
 
 
+def test_logprobs(client, workload):
+    ids, n = workload[3]
+    r = client.generate(**_greedy(ids, n), logprobs=3)
+    assert len(r.logprobs) == n
+    for token, lp in zip(r.token_ids, r.logprobs, strict=True):
+        assert lp.logprob <= 0.0 and len(lp.top) == 3
+        assert lp.top[0][0] == token  # NOTE: greedy: the chosen token is the most likely one
+
+
 def test_stop_token_ids(client, workload):
     ids, _ = workload[6]
     full = client.generate(**_greedy(ids, 12))

@@ -53,6 +53,8 @@ class Streams:
             for chunk in self.client.stream(input_ids=[i + 1, 7, 9], **LONG):
                 self.started[i].set()
                 self.ends[i] = chunk.finish_reason
+                if chunk.error:
+                    self.ends[i] = f"error: {chunk.error}"
         except Exception as e:  # noqa: BLE001 - recorded for the test to check
             self.ends[i] = e
             self.started[i].set()

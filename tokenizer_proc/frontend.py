@@ -269,11 +269,13 @@ class Frontend:
         entry = self.table.get(chunk.rid)
         if entry is None:
             return
+        if entry.first_token_at is None and chunk.token_ids:
+            entry.first_token_at = time.monotonic()
         if chunk.finish_reason is not None:
             self.table.pop(chunk.rid)
             self.counters["requests_answered"] += 1
             self.counters[f"finish_{chunk.finish_reason}"] += 1
-            log.debug("rid=%s finished: %s", chunk.rid, chunk.finish_reason)
+            _log_finished(chunk, entry)
         await self._deliver(chunk, entry)
 
     async def _deliver(self, msg: tc.Chunk | tc.Failure, entry: Entry) -> None:
@@ -342,6 +344,20 @@ class Frontend:
             return True
         except zmq.ZMQError:
             return False
+
+
+def _log_finished(chunk: tc.Chunk, entry: Entry) -> None:
+    now = time.monotonic()
+    first = entry.first_token_at or now
+    log.info(
+        "rid=%s finish=%s prompt=%d completion=%d ttft=%.1fms total=%.1fms",
+        chunk.rid,
+        chunk.finish_reason,
+        chunk.prompt_tokens,
+        chunk.completion_tokens,
+        (first - entry.admitted_at) * 1e3,
+        (now - entry.admitted_at) * 1e3,
+    )
 
 
 async def _until_final(entry: Entry) -> tuple[bool, str]:

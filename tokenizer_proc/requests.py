@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from engine.messages.to_client import Chunk
 
@@ -21,6 +22,9 @@ class Entry:
     sent: bool = False  # forwarded to the scheduler
     aborted: bool = False  # abort asked: do not forward it, or tell the scheduler
     gone: bool = False  # the client went away: nothing more is sent to it
+    # NOTE: the request's timeline, recorded here only and logged once when it finishes.
+    admitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
 
 
 class RequestTable:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from engine.protocol import Message
+from scheduler_proc.output import TokenLogprob
 
 
 class Welcome(Message):
@@ -26,7 +25,7 @@ class Chunk(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    logprobs: list[Any] = []
+    logprobs: list[TokenLogprob] = []
     error: str | None = None  # why, when finish_reason is "error"
 
 
