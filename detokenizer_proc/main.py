@@ -47,9 +47,16 @@ class DetokenizerProcess:
     def serve(self, orphaned: threading.Event) -> None:
         while not orphaned.is_set():
             msg = self.inbox.get(timeout=0.5)
-            if msg is not None and not self.handle(msg):
+            if msg is not None and not self._handle_safely(msg):
                 break
         self.close()
+
+    def _handle_safely(self, msg: ToDetokenizer) -> bool:
+        try:
+            return self.handle(msg)
+        except Exception:  # NOTE: a bad output is logged; the other requests keep streaming
+            log.exception("error handling %s", type(msg).__name__)
+            return True
 
     def handle(self, msg: ToDetokenizer) -> bool:
         """Handle one message; False once the scheduler has exited."""

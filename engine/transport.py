@@ -128,7 +128,11 @@ class _Core:
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self._outbox:
-            sock.send(self._encode(self._outbox.popleft()))
+            try:
+                sock.send(self._encode(self._outbox[0]), zmq.NOBLOCK)
+            except zmq.Again:
+                return  # NOTE: never block the I/O thread; liveness still runs and may fail calls
+            self._outbox.popleft()
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:

@@ -137,6 +137,10 @@ class SchedulerLoop:
         except EngineError as e:
             self._refuse(msg.rid, e)
             return
+        except Exception as e:  # NOTE: one bad request never takes the scheduler down
+            log.exception("rid=%s submit failed", msg.rid)
+            self._refuse(msg.rid, EngineError(f"{type(e).__name__}: {e}"))
+            return
         self.live[msg.rid] = len(msg.input_ids)
 
     def _refuse(self, rid: str, error: EngineError) -> None:

@@ -4,6 +4,7 @@ that cannot start, a second signal, and a launcher that dies under its children.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -103,6 +104,19 @@ def test_child_that_cannot_start_is_reported(launch, tiny_model_dir, tmp_path):
         assert "scheduler failed to start" in engine.log() and "nope" in engine.log()
     finally:
         engine.stop()
+
+
+def test_port_in_use_is_reported(tiny_model_dir, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        engine = LaunchedEngine(tiny_model_dir, tmp_path / "busy.log", "--zmq-port", port)
+        try:
+            assert engine.wait(timeout=60) != 0
+            assert "tokenizer failed to start" in engine.log() and "in use" in engine.log()
+        finally:
+            engine.stop()
 
 
 def test_second_signal_forces_a_fast_exit(launch):
