@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from scheduler_proc.batch import Batch, Chunk
-from scheduler_proc.kv_cache import KVPool
+from scheduler_proc.kv_cache import KVPool, LayerCache
 from scheduler_proc.request import Req
 from scheduler_proc.sampling import RowParams, Sampled, build_state, sample
 
@@ -56,8 +56,15 @@ class Runner:
         batch.offsets = [r.kv_len for r in rows]
         for r in rows:
             r.kv_len += 1
-        logits = self.model(inputs[:, None], cache=self.pool.decode_view(batch.offsets))
+        logits = self.model(inputs[:, None], cache=self._decode_cache(batch.offsets))
         return sample(logits[:, -1, :], batch.sampler)
+
+    def _decode_cache(self, offsets: list[int]) -> list[LayerCache]:
+        # NOTE: one row is row 0 with an int offset: mlx-lm's own single-stream path (slice write,
+        # no mask), cheaper than the batched scatter + per-row length mask.
+        if len(offsets) == 1:
+            return self.pool.prefill_view(0, offsets[0])
+        return self.pool.decode_view(offsets)
 
 
 def _outputs(batch: Batch) -> list[mx.array]:
