@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,6 +51,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ttft-requests", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--only",
+        choices=["inprocess", "sdk"],
+        help="measure one side only (an SDK-only run keeps MLX out of this process)",
+    )
     p.add_argument(
         "--launch-log", default=None, help="write the launched engine's log to this file"
     )
@@ -223,17 +229,32 @@ def measure(engine: object, tput_jobs: list[Job], ttft_jobs: list[Job], conc: in
     return Figures(engine.throughput(tput_jobs, conc), engine.ttft(ttft_jobs))  # type: ignore[attr-defined]
 
 
+def _vocab(model: str | None) -> int:
+    """The vocabulary size from config.json, so an SDK-only run never imports MLX here."""
+    import json
+
+    if model is None:
+        from engine.models import resolve_model_dir
+
+        model = str(resolve_model_dir(None))
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
 def main() -> None:
     args = parse()
     from engine.cpu_backend import setup_cpu_backend
 
     # NOTE: the launched scheduler sets up the same BLAS itself, so both sides match.
     info = setup_cpu_backend(EngineConfig(), log_line=False)
-    engines = {"in-process scheduler": InProcess(args.model)}
-    if args.inprocess_sdk:
+    engines: dict[str, Any] = {}
+    if args.only != "sdk":
+        engines["in-process scheduler"] = InProcess(args.model)
+    if args.inprocess_sdk and args.only is None:
         engines["SDK -> in-process"] = Sdk(model=args.model)
-    proc, engines["SDK -> 3 processes"] = launch(args.model, args.launch_log)
-    vocab = engines["in-process scheduler"].vocab  # type: ignore[attr-defined]
+    proc = None
+    if args.only != "inprocess":
+        proc, engines["SDK -> 3 processes"] = launch(args.model, args.launch_log)
+    vocab = _vocab(args.model)
     tput_jobs = workload(args, vocab, args.requests, args.max_tokens)
     ttft_jobs = workload(args, vocab, args.ttft_requests, 4)
     warm = workload(args, vocab, 4, 4)
@@ -243,7 +264,10 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, engine in engines.items():
             results[name].append(measure(engine, tput_jobs, ttft_jobs, args.concurrency))
-    roundtrip = engines["SDK -> 3 processes"].roundtrip_ms()  # type: ignore[attr-defined]
+    if proc is None:
+        report(args, info.describe(), results)
+        return
+    roundtrip = engines["SDK -> 3 processes"].roundtrip_ms()
     for engine in engines.values():
         if isinstance(engine, Sdk):
             engine.close()
@@ -277,9 +301,9 @@ def report(args: argparse.Namespace, blas: str, results: dict[str, list[Figures]
     for name, fig in best.items():
         rounds = ", ".join(f"{f.tok_s:.0f}/{f.ttft_ms:.2f}" for f in results[name])
         print(f"{name:24} {fig.tok_s:12.1f} {fig.ttft_ms:12.2f}   {rounds}")
-    base = best["in-process scheduler"]
+    base = best.get("in-process scheduler")
     for name, fig in best.items():
-        if name != "in-process scheduler":
+        if base is not None and name != "in-process scheduler":
             print(
                 f"{name}: throughput ratio {fig.tok_s / base.tok_s:.3f} (target >= 0.95), "
                 f"TTFT {fig.ttft_ms - base.ttft_ms:+.2f} ms (target <= +2 ms)"
