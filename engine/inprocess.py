@@ -107,7 +107,7 @@ class InProcessTransport:
         from scheduler_proc.scheduler import Scheduler
 
         model_dir = resolve_model_dir(self.config.model)
-        model, eos = load_for_scheduler(str(model_dir))
+        model, eos = load_for_scheduler(str(model_dir), self.config)
         self.sched = Scheduler(self.config, model, eos)
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.detok = Detokenizer(self.tokenizer)

@@ -58,7 +58,7 @@ def _create(
     from scheduler_proc.scheduler import Scheduler
 
     model_dir = resolve_model_dir(config.model)
-    model, eos = load_for_scheduler(str(model_dir))
+    model, eos = load_for_scheduler(str(model_dir), config)
     scheduler = Scheduler(config, model, eos)
     facts = {
         "model_dir": str(model_dir),
