@@ -34,6 +34,7 @@ class EngineConfig:
     mem_fraction: float = _opt(0.5, "Fraction of free device memory for the KV cache")
     max_queued_requests: int = _opt(1024, "Requests waiting beyond this get Overloaded")
     disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
+    disable_radix_cache: bool = _opt(False, "Turn off the radix prefix cache (reuse of shared KV)")
     cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
     cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")

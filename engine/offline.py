@@ -24,6 +24,7 @@ class GenerationResult:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
 
@@ -32,6 +33,7 @@ class GenerationResult:
         self.logprobs += out.logprobs
         self.finish_reason, self.error = out.finish_reason, out.error
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+        self.cached_tokens = out.cached_tokens
 
 
 class OfflineEngine:

@@ -65,6 +65,8 @@ def _create(
         "model": model_dir.name,
         "vocab_size": int(scheduler.vocab),
         "max_context": int(scheduler.stats()["kv_row_len"]),
+        "kv_budget_tokens": scheduler.kv_plan.budget.tokens,
+        "prefix_cache_tokens": scheduler.kv_plan.store_tokens,
         "tokenizer_defaults": tokenizer_defaults(model_dir),
     }
     return SchedulerLoop(scheduler, endpoints, orphaned), facts

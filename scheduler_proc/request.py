@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from scheduler_proc.output import StepOutput, TokenLogprob
+from scheduler_proc.prefix_cache import Hit
 
 
 class State(enum.Enum):
@@ -34,6 +35,8 @@ class Req:
     new_ids: list[int] = field(default_factory=list)  # not yet reported
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     reported_finish: bool = False
+    hit: Hit | None = None  # its locked cached prefix, while it holds a row
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
     @property
     def prompt_len(self) -> int:
@@ -65,6 +68,7 @@ class Req:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens,
             logprobs=self.new_logprobs,
             error=self.error,
         )

@@ -18,11 +18,15 @@ import mlx.nn as nn
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, Overloaded, ShuttingDown
+from engine.memory import weights_bytes
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, Chunk
-from scheduler_proc.kv_budget import plan_rows
+from scheduler_proc.kv_budget import plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
 from scheduler_proc.output import StepOutput, TokenLogprob
+from scheduler_proc.prefix_cache import PrefixCache
+from scheduler_proc.prefix_reuse import PrefixReuse
+from scheduler_proc.prefix_store import PrefixStore
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.sampling import Sampled, advance
@@ -49,8 +53,12 @@ class Scheduler:
         self.config = config
         shapes, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        rows, row_len = plan_rows(config, bytes_per_token(shapes), max_pos)
-        self.pool = KVPool(shapes, rows, row_len)
+        self.kv_plan = plan_kv(config, bytes_per_token(shapes), max_pos, weights_bytes(model))
+        log.info(self.kv_plan.describe())
+        self.pool = KVPool(shapes, self.kv_plan.rows, self.kv_plan.row_len)
+        store = self.kv_plan.store_tokens
+        cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
+        self.prefix = PrefixReuse(cache, self.pool)
         self.slots = SlotTable(self.pool)
         self.runner = Runner(model, self.pool, self.vocab)
         self.eos = frozenset(eos_token_ids)
@@ -119,6 +127,7 @@ class Scheduler:
             "kv_tokens_in_use": used,
             "kv_tokens_free": total - used,
             "kv_bytes": self.pool.nbytes,
+            **self.prefix.stats(),
         }
 
     def shutdown(self) -> None:
@@ -199,11 +208,17 @@ class Scheduler:
         for req in self.slots.prefilling():
             if budget > 0 and req.prefilled < req.prompt_len:
                 budget -= self._add_chunk(req, chunks, budget)
+        deferred: list[Req] = []
         while budget > 0 and self._admissible():
             req = self._waiting.popleft()
+            if self.prefix.should_wait(req, self.slots.prefilling()):
+                deferred.append(req)
+                continue
             req.state = State.PREFILLING
             self.slots.add(req)
+            self.prefix.admit(req)
             budget -= self._add_chunk(req, chunks, budget)
+        self._waiting.extendleft(reversed(deferred))
         decode = self.slots.decoding()
         if not chunks and not decode:
             return None
@@ -276,9 +291,11 @@ class Scheduler:
         for req in self._to_promote:
             if not req.finished:
                 self.slots.promote(req)
+                self.prefix.publish(req)
         self._to_promote.clear()
         for req in self._to_free.values():
             if req.row is not None:
+                self.prefix.retire(req)
                 self.slots.release(req)
             req.state = State.FINISHED
         self._to_free.clear()
