@@ -197,3 +197,17 @@ def test_budget_split_stays_within_the_budget(budget, running):
     assert 1 <= on.rows <= running and on.store_tokens <= on.rows * on.row_len
     if on.rows < running:  # NOTE: budget-bound rows leave the store at least a quarter
         assert on.store_tokens >= budget // 4 - on.row_len
+
+
+def test_offline_results_report_cached_tokens(tiny_weights_dir):
+    from engine.offline import OfflineEngine
+
+    prompt = _prompt(random.Random(6), 40)
+    with OfflineEngine(str(tiny_weights_dir), max_total_tokens=4 * 256, context_length=256) as eng:
+        first = eng.generate([prompt], dict(max_tokens=3, ignore_eos=True))[0]
+        again = eng.generate([prompt], dict(max_tokens=3, ignore_eos=True))[0]
+        stats = eng.stats()
+    assert first.cached_tokens == 0 and again.cached_tokens == len(prompt) - 1
+    assert again.token_ids == first.token_ids
+    assert stats["prefix_cache_hit_tokens"] == len(prompt) - 1
+    assert stats["prefix_cache_tokens"] >= len(prompt)
