@@ -39,6 +39,7 @@ class PrefixReuse:
     def publish(self, req: Req) -> None:
         """Prefill done: cache the prompt now, so others reuse it while this one decodes."""
         if self.cache is not None and req.hit is not None:
+            assert req.kv_len >= req.prompt_len, f"{req.rid}: prompt not all in the KV yet"
             self.cache.publish(req.hit, req.input_ids, self.pool, req.row)
 
     def retire(self, req: Req) -> None:

@@ -131,6 +131,9 @@ def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
     assert stats["kv_rows_total"] == 2 and stats["prefix_cache_capacity"] == 160
     assert stats["prefix_cache_evicted_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
+    allocated = sched.pool.nbytes + sched.prefix.cache.store.nbytes
+    plan = sched.kv_plan
+    assert allocated <= plan.budget.tokens * plan.budget.bytes_per_token, "KV beyond the budget"
 
 
 def test_a_prompt_that_can_never_fit_is_rejected(llama):
