@@ -4,6 +4,7 @@ its fallback, and dequantize-at-load."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -238,3 +239,23 @@ def test_reported_blas_is_the_preloaded_one(tmp_path: Path, f32_dir: Path) -> No
     env = {**_clean_env(), "LD_PRELOAD": path}
     info, _ = _child(tmp_path, "reference", f32_dir, env=env)
     assert info["optimized"]
+
+
+@pytest.mark.parametrize("deq", ["off", "on"])
+def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path, caplog):
+    """The engine once dropped the config on the way to the loader: `--cpu-dequantize off` was
+    ignored and weights were dequantized whenever 'auto' said so."""
+    import shutil
+
+    from engine.inprocess import InProcessTransport
+    from engine.random_model import TOKENIZER_FILES
+
+    model_dir = tmp_path / "q4"
+    shutil.copytree(q4_dir, model_dir)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_model_dir / name, model_dir / name)
+    caplog.set_level(logging.INFO, logger="engine.cpu_dequantize")
+    transport = InProcessTransport(str(model_dir), cpu_dequantize=deq, max_total_tokens=4096)
+    transport.close()
+    dequantized = any("dequantized to float32" in r.getMessage() for r in caplog.records)
+    assert dequantized == (deq == "on")
