@@ -23,7 +23,7 @@ class EngineConfig:
     )
     host: str = _opt("127.0.0.1", "Host the client endpoints bind to")
     zmq_port: int = _opt(30001, "Port of the ZeroMQ SDK endpoint")
-    port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API")
+    port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API (reserved: not served yet)")
     max_running_requests: int = _opt(64, "Most requests decoding in one batch")
     chunked_prefill_size: int = _opt(512, "Prompt tokens per prefill chunk")
     max_prefill_tokens: int = _opt(2048, "Most prompt tokens processed in one step")
