@@ -277,3 +277,13 @@ def _eventually(check, timeout: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    """The prefix cache's reuse reaches the caller as usage.cached_tokens."""
+    prompt = [random.Random(11).randrange(49152) for _ in range(80)]
+    first = client.generate(input_ids=prompt, max_tokens=4, temperature=0.0)
+    again = client.generate(input_ids=prompt, max_tokens=4, temperature=0.0)
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens == len(prompt) - 1  # the last token is always computed
+    assert again.token_ids == first.token_ids
