@@ -58,6 +58,9 @@ def convert_to_mlx(src: Path | None = None, out: Path | None = None) -> Path:
     src = Path(src) if src is not None else default_gguf_path()
     if out is not None:
         return convert_gguf(src, Path(out))
+    if not src.is_file():
+        # NOTE: the cache key needs the file's stat; without this a missing file is a traceback.
+        raise ModelError(f"{src}: no such file")
     cached = _cache_dir_for(src)
     if (cached / "config.json").is_file():
         return cached

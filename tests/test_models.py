@@ -63,6 +63,16 @@ def test_resolve_model_dir_rejects_what_is_not_a_model(bad):
         models.resolve_model_dir(bad)
 
 
+def test_missing_gguf_is_a_model_error(tmp_path, monkeypatch):
+    """A missing .gguf once raised FileNotFoundError from the cache key's stat()."""
+    monkeypatch.setenv("MLX_ENGINE_HOME", str(tmp_path))
+    with pytest.raises(ModelError, match="no such file"):
+        models.resolve_model_dir(tmp_path / "missing.gguf")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "missing.gguf")])
+    assert result.exit_code == 1
+    assert "no such file" in result.output
+
+
 def test_converted_default_model_works_with_mlx_lm_generate(default_model_dir):
     """`mlx-engine convert` output is a directory `mlx_lm generate --model DIR` can use."""
     cmd = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(default_model_dir)]
