@@ -101,6 +101,9 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
 def convert_gguf(src: Path, out: Path) -> Path:
     """Convert `src` into the mlx-lm directory `out`; nothing is left in `out` on failure."""
+    out = Path(out)
+    # NOTE: checked before the (slow, memory-hungry) read, which a refusal makes wasted work.
+    _check_output_dir(out)
     tensors, meta = read_gguf(src)
     arch = _scalar(meta.get("general.architecture", ""))
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -111,8 +114,6 @@ def convert_gguf(src: Path, out: Path) -> Path:
     weights = {_mlx_name(name): value for name, value in tensors.items()}
     weights = _unpermute_qk(weights, params)
     config = _model_config(params, meta, weights)
-    out = Path(out)
-    _check_output_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
