@@ -13,9 +13,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from engine.cpu_backend import BackendInfo, backend_info
+from engine.memory import weights_bytes
 
 log = logging.getLogger("engine.cpu_dequantize")
 
@@ -40,12 +41,12 @@ def maybe_dequantize(model: nn.Module, config: Any = None) -> nn.Module:
     value = str(getattr(config, "cpu_dequantize", "auto") or "auto")
     if not resolve_dequantize(value, backend_info()) or not is_quantized(model):
         return model
-    before = _nbytes(model)
+    before = weights_bytes(model)
     dequantize_model(model)
     log.info(
         "cpu path: weights dequantized to float32 (%.0f MB -> %.0f MB)",
         before / 1e6,
-        _nbytes(model) / 1e6,
+        weights_bytes(model) / 1e6,
     )
     return model
 
@@ -57,7 +58,7 @@ def is_quantized(model: nn.Module) -> bool:
 def dequantize_model(model: nn.Module) -> nn.Module:
     """Replace quantized Linear / Embedding layers by float32 ones; cast the rest to float32."""
     swaps = [(path, _float_layer(m)) for path, m in model.named_modules() if _is_quantized_leaf(m)]
-    model.update_modules(_unflatten(swaps))
+    model.update_modules(tree_unflatten(swaps))
     # NOTE: norms and scales may be float16; a float16 activation would miss the BLAS path.
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
@@ -92,15 +93,6 @@ def _dequantized_weight(m: nn.Module) -> mx.array:
         mode=getattr(m, "mode", "affine"),
     )
     return w.astype(mx.float32)
-
-
-def _unflatten(pairs: list[tuple[str, nn.Module]]) -> dict[str, Any]:
-    """`a.layers.0.mlp` paths to the nested dict/list tree `update_modules` expects."""
-    return tree_unflatten(pairs)
-
-
-def _nbytes(model: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def _on_cpu() -> bool:
