@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from detokenizer_proc.stream import TextStream
 from engine.messages.to_client import Chunk
 from scheduler_proc.output import StepOutput, TokenLogprob
+
+log = logging.getLogger("detokenizer")
 
 
 class Detokenizer:
@@ -30,17 +33,21 @@ class Detokenizer:
         return len(self._streams)
 
     def process(self, outputs: list[StepOutput]) -> tuple[list[Chunk], list[str]]:
-        """Chunks for the client, and the rids a stop string ended (the scheduler must abort them)."""
+        """Chunks for the client, and the rids ended here, by a stop string or an error (the
+        scheduler must abort them)."""
         chunks: list[Chunk] = []
-        stopped: list[str] = []
+        ended: list[str] = []
         for out in outputs:
-            chunk = self._one(out)
+            try:
+                chunk = self._one(out)
+            except Exception as e:  # NOTE: a bad request ends alone; the batch's others still go
+                chunk = self._failed(out, e)
             if chunk is None:
                 continue
             chunks.append(chunk)
-            if chunk.finish_reason == "stop" and out.finish_reason is None:
-                stopped.append(out.rid)
-        return chunks, stopped
+            if chunk.finish_reason is not None and out.finish_reason is None:
+                ended.append(out.rid)
+        return chunks, ended
 
     def _one(self, out: StepOutput) -> Chunk | None:
         stream = self._streams.get(out.rid)
@@ -54,8 +61,13 @@ class Detokenizer:
             del self._streams[out.rid]
         return _chunk(out, text, finish)
 
+    def _failed(self, out: StepOutput, error: Exception) -> Chunk:
+        log.exception("rid=%s detokenization failed", out.rid)
+        self._streams.pop(out.rid, None)
+        return _chunk(out, "", "error", f"detokenizer: {type(error).__name__}: {error}")
 
-def _chunk(out: StepOutput, text: str, finish: str | None) -> Chunk:
+
+def _chunk(out: StepOutput, text: str, finish: str | None, error: str | None = None) -> Chunk:
     return Chunk(
         out.rid,
         text,
@@ -65,7 +77,7 @@ def _chunk(out: StepOutput, text: str, finish: str | None) -> Chunk:
         out.completion_tokens,
         out.cached_tokens,
         _logprobs(out),
-        out.error,
+        error or out.error,
     )
 
 

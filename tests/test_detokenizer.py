@@ -83,3 +83,44 @@ def test_registering_a_request_is_cheap(tokenizer):
     construction = time.perf_counter() - t0
     print(f"register {per_request * 1e6:.1f} us, construction {construction * 1e3:.2f} ms")
     assert per_request * 20 < construction
+
+
+class _BreaksOn:
+    """A streaming detokenizer that fails on one token id (a stand-in for any detokenizer bug)."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad, self.text = bad, ""
+
+    def reset(self) -> None:
+        self.text = ""
+
+    def add_token(self, t: int) -> None:
+        if t == self.bad:
+            raise ValueError(f"cannot decode {t}")
+        self.text += "x"
+
+    def finalize(self) -> None:
+        pass
+
+
+class _FakeTokenizer:
+    all_special_ids: list[int] = []
+
+    def __init__(self, bad: int) -> None:
+        self.detokenizer = _BreaksOn(bad)
+
+
+def test_a_failing_request_ends_alone_and_the_batch_still_streams():
+    """One request's bad token ends that request with an error; the others in the same step
+    still get their chunks (a lost terminal chunk would leave a client waiting forever)."""
+    detok = Detokenizer(_FakeTokenizer(bad=666))
+    detok.register("bad", [])
+    detok.register("good", [])
+    chunks, to_abort = detok.process(
+        [StepOutput("bad", [1, 666]), StepOutput("good", [1], "length")]
+    )
+    by_rid = {c.rid: c for c in chunks}
+    assert by_rid["good"].finish_reason == "length" and by_rid["good"].text == "x"
+    assert by_rid["bad"].finish_reason == "error" and "cannot decode 666" in by_rid["bad"].error
+    assert to_abort == ["bad"] and len(detok) == 0
+    assert detok.process([StepOutput("bad", [2], "length")]) == ([], [])
