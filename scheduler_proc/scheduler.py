@@ -209,16 +209,18 @@ class Scheduler:
             if budget > 0 and req.prefilled < req.prompt_len:
                 budget -= self._add_chunk(req, chunks, budget)
         deferred: list[Req] = []
-        while budget > 0 and self._admissible():
-            req = self._waiting.popleft()
-            if self.prefix.should_wait(req, self.slots.prefilling()):
-                deferred.append(req)
-                continue
-            req.state = State.PREFILLING
-            self.slots.add(req)
-            self.prefix.admit(req)
-            budget -= self._add_chunk(req, chunks, budget)
-        self._waiting.extendleft(reversed(deferred))
+        try:
+            while budget > 0 and self._admissible():
+                req = self._waiting.popleft()
+                if self.prefix.should_wait(req, self.slots.prefilling()):
+                    deferred.append(req)
+                    continue
+                req.state = State.PREFILLING
+                self.slots.add(req)
+                self.prefix.admit(req)
+                budget -= self._add_chunk(req, chunks, budget)
+        finally:  # NOTE: a failed admission must not drop the requests deferred before it
+            self._waiting.extendleft(reversed(deferred))
         decode = self.slots.decoding()
         if not chunks and not decode:
             return None

@@ -175,3 +175,27 @@ def test_shutdown_aborts_everything_and_refuses_new_work(llama, overlap):
     assert not sched.has_work() and sched.stats()["kv_rows_in_use"] == 0
     with pytest.raises(ShuttingDown):
         sched.submit("late", [1], _greedy(1))
+
+
+def test_failed_admission_keeps_deferred_requests(llama):
+    """A step failing while admitting must not lose a request deferred earlier in that step."""
+    sched = make_scheduler(llama, chunked_prefill_size=32, max_prefill_tokens=4096)
+    rng = random.Random(5)
+    shared = _prompt(rng, 200)
+    sched.submit("first", shared + [1], _greedy(4))
+    sched.submit("waits", shared + [2], _greedy(4))  # deferred: shares 200 tokens with "first"
+    sched.submit("boom", _prompt(rng, 40), _greedy(4))
+    real_admit = sched.prefix.admit
+
+    def admit(req):
+        if req.rid == "boom":
+            raise RuntimeError("admission failed")
+        real_admit(req)
+
+    sched.prefix.admit = admit
+    outs = sched.step()
+    assert {o.rid: o.finish_reason for o in outs} == dict.fromkeys(
+        ("first", "waits", "boom"), "error"
+    )
+    assert not sched.has_work()
+    assert sched.stats()["kv_rows_in_use"] == 0
