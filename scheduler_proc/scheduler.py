@@ -91,14 +91,8 @@ class Scheduler:
 
     def abort(self, rid: str) -> None:
         req = self._reqs.get(rid)
-        if req is None or req.finished:
-            return
-        req.finish("abort")
-        self._touched[rid] = req
-        if req.state is State.WAITING:
-            self._waiting.remove(req)
-        else:
-            self._to_free[rid] = req
+        if req is not None and not req.finished:
+            self._end(req, "abort")
 
     def step(self) -> list[StepOutput]:
         if not self._closed:
@@ -319,13 +313,17 @@ class Scheduler:
         reqs = {r.rid: r for b in batches for r in b.reqs()} or dict(self._reqs)
         for req in reqs.values():
             if not req.finished:
-                req.finish("error", f"{type(exc).__name__}: {exc}")
-                self._touched[req.rid] = req
-                if req.state is State.WAITING:
-                    self._waiting.remove(req)
-                else:
-                    self._to_free[req.rid] = req
+                self._end(req, "error", f"{type(exc).__name__}: {exc}")
         self._settle()
+
+    def _end(self, req: Req, reason: str, error: str | None = None) -> None:
+        """Finish a request outside a step's tokens: report it; its row goes at the next settle."""
+        req.finish(reason, error)
+        self._touched[req.rid] = req
+        if req.state is State.WAITING:
+            self._waiting.remove(req)
+        else:
+            self._to_free[req.rid] = req
 
     def _check_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
         params.validate(self.vocab)
