@@ -101,7 +101,7 @@ class _Core:
         try:
             self._loop(sock)
         finally:
-            sock.send(self._encode(tt.Goodbye()), zmq.NOBLOCK)
+            self._send_now(sock, tt.Goodbye())
             sock.close()
             ctx.term()
 
@@ -163,9 +163,17 @@ class _Core:
             return
         if now - self._pinged >= PING_EVERY_S:
             self._pinged = now
-            sock.send(self._encode(tt.Ping()))
+            self._send_now(sock, tt.Ping())
         if now - self._heard > self.dead_after:
             self._declare_dead(f"no answer from {self.address} for {self.dead_after:.1f}s")
+
+    def _send_now(self, sock: zmq.Socket, msg: tt.FromClient) -> None:
+        """Send a ping or goodbye if the queue has room; never block the I/O thread on one
+        (an engine that reads nothing is declared dead by silence instead)."""
+        try:
+            sock.send(self._encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _declare_dead(self, reason: str) -> None:
         if self.dead is None:

@@ -141,3 +141,32 @@ def test_shutdown_from_the_sdk(engine, client):
     with pytest.raises(ShuttingDown):
         client.generate(input_ids=[1], max_tokens=1)
     assert engine.wait(timeout=20) == 0
+
+
+def test_an_engine_that_stops_reading_is_declared_dead_even_with_a_full_send_queue():
+    """A stalled engine (its socket open, nothing read) behind a backlog that fills the client's
+    send queue: the I/O thread must not block on its liveness ping, so waiting calls still end
+    with EngineDead after `dead_after` instead of waiting forever."""
+    import queue
+
+    from engine.messages import to_tokenizer as tt
+    from engine.transport import Transport
+
+    ctx = zmq.Context()
+    stalled = ctx.socket(zmq.ROUTER)
+    stalled.setsockopt(zmq.RCVHWM, 1)
+    stalled.setsockopt(zmq.LINGER, 0)
+    port = stalled.bind_to_random_port("tcp://127.0.0.1")
+    transport = Transport(f"tcp://127.0.0.1:{port}", dead_after=1.0)
+    try:
+        replies: queue.SimpleQueue[tc.ToClient] = queue.SimpleQueue()
+        transport.register("waiting", replies.put)
+        prompt = "x" * 20_000
+        for i in range(3_000):  # NOTE: ~60 MB: beyond the send queue and the kernel's buffers
+            transport.send(tt.Generate(f"r{i}", prompt))
+        reply = replies.get(timeout=15.0)
+        assert isinstance(reply, tc.Failure) and reply.kind == "engine_dead"
+    finally:
+        transport.close()
+        stalled.close()
+        ctx.term()
