@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -110,12 +108,13 @@ def load_for_scheduler(model: str | None, config: Any = None) -> tuple[Any, list
     else:
         from mlx_lm.utils import load_model
 
-        net, eos = load_model(model_dir)[0], _config_eos(model_dir)
+        net, model_config = load_model(model_dir)
+        eos = _eos_ids(model_config.get("eos_token_id"))
     return maybe_dequantize(net, config), eos
 
 
-def _config_eos(model_dir: Path) -> list[int]:
-    eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+def _eos_ids(eos: int | list[int] | None) -> list[int]:
+    """config.json's `eos_token_id`: absent, one id or a list."""
     if eos is None:
         return []
     return list(eos) if isinstance(eos, list) else [eos]
