@@ -107,7 +107,7 @@ class RadixCache:
     # -- eviction ----------------------------------------------------------------------------
     def evict(self, n_tokens: int) -> list[int]:
         """Free at least `n_tokens` slots if possible, least recently used leaves first."""
-        heap = [(leaf.last_used, id(leaf), leaf) for leaf in self._leaves() if leaf.ref == 0]
+        heap = [(n.last_used, id(n), n) for n in self.nodes() if not n.children and n.ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < n_tokens:
@@ -133,17 +133,8 @@ class RadixCache:
         child.tokens, child.slots, child.parent = child.tokens[k:], child.slots[k:], upper
         return upper
 
-    def _leaves(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack += node.children.values()
-            else:
-                yield node
-
     def nodes(self):
-        """Every node but the root (for checks and stats)."""
+        """Every node but the root."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
