@@ -53,6 +53,17 @@ def _unwrap(msg: tc.ToClient) -> tc.ToClient:
     return msg
 
 
+def _chunk(msg: tc.ToClient) -> StreamChunk:
+    return StreamChunk.from_wire(_unwrap(msg))  # type: ignore[arg-type]
+
+
+def _abort_quietly(transport: TransportLike, rid: str) -> None:
+    try:
+        transport.send(tt.AbortRequest(_rid(), rid))
+    except EngineDead:
+        pass
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -94,11 +105,9 @@ class EngineClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> GenerateResult:
-        result = GenerateResult(rid or "")
-        for chunk in self.stream(
-            prompt, messages=messages, input_ids=input_ids, rid=rid, timeout=timeout, **sampling
-        ):
-            result.rid = chunk.rid
+        msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
+        result = GenerateResult(msg.rid)
+        for chunk in self._stream(msg, _deadline(timeout)):
             result.add(chunk)
         return result
 
@@ -122,13 +131,13 @@ class EngineClient:
         try:
             self._t.send(msg)
             while not finished:
-                chunk = StreamChunk.from_wire(_unwrap(self._get(replies, deadline)))  # type: ignore[arg-type]
+                chunk = _chunk(self._get(replies, deadline))
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
             self._t.unregister(msg.rid)
             if not finished:  # NOTE: a caller that stops reading frees the engine's work too
-                self._abort_quietly(msg.rid)
+                _abort_quietly(self._t, msg.rid)
 
     def abort(self, rid: str) -> None:
         self._call(tt.AbortRequest(_rid(), rid))
@@ -181,12 +190,6 @@ class EngineClient:
         except queue.Empty:
             raise Timeout("no answer from the engine within the deadline") from None
 
-    def _abort_quietly(self, rid: str) -> None:
-        try:
-            self._t.send(tt.AbortRequest(_rid(), rid))
-        except EngineDead:
-            pass
-
 
 class AsyncEngineClient:
     """The same calls as coroutines and async iterators, for asyncio programs."""
@@ -227,15 +230,13 @@ class AsyncEngineClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> GenerateResult:
-        result = GenerateResult(rid or "")
-        async for chunk in self.stream(
-            prompt, messages=messages, input_ids=input_ids, rid=rid, timeout=timeout, **sampling
-        ):
-            result.rid = chunk.rid
+        msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
+        result = GenerateResult(msg.rid)
+        async for chunk in self._stream(msg, _deadline(timeout)):
             result.add(chunk)
         return result
 
-    async def stream(
+    def stream(
         self,
         prompt: str | None = None,
         *,
@@ -245,21 +246,23 @@ class AsyncEngineClient:
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamChunk]:
-        await self.connect()
         msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
-        deadline = _deadline(timeout)
+        return self._stream(msg, _deadline(timeout))
+
+    async def _stream(self, msg: tt.Generate, deadline: float | None) -> AsyncIterator[StreamChunk]:
+        await self.connect()
         replies = self._register(msg.rid)
         finished = False
         try:
             self._t.send(msg)
             while not finished:
-                chunk = StreamChunk.from_wire(_unwrap(await self._get(replies, deadline)))  # type: ignore[arg-type]
+                chunk = _chunk(await self._get(replies, deadline))
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
             self._t.unregister(msg.rid)
-            if not finished:
-                self._abort_quietly(msg.rid)
+            if not finished:  # NOTE: a caller that stops reading frees the engine's work too
+                _abort_quietly(self._t, msg.rid)
 
     async def abort(self, rid: str) -> None:
         await self._call(tt.AbortRequest(_rid(), rid))
@@ -327,9 +330,3 @@ class AsyncEngineClient:
             return await asyncio.wait_for(replies.get(), _remaining(deadline))
         except asyncio.TimeoutError:
             raise Timeout("no answer from the engine within the deadline") from None
-
-    def _abort_quietly(self, rid: str) -> None:
-        try:
-            self._t.send(tt.AbortRequest(_rid(), rid))
-        except EngineDead:
-            pass
