@@ -31,7 +31,6 @@ class Batch:
     decode: list[Req]
     chunks: list[Chunk] = field(default_factory=list)
     joined: list[Req] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)  # decode rows' KV write positions
     sampler: SamplerState | None = None
     chained: bool = False
     step_index: int = -1  # stamped by prepare_launch

@@ -53,10 +53,10 @@ class Runner:
         rows = batch.rows
         if batch.sampler is None:
             batch.sampler = build_state([row_params(r) for r in rows], self.vocab)
-        batch.offsets = [r.kv_len for r in rows]
+        offsets = [r.kv_len for r in rows]
         for r in rows:
             r.kv_len += 1
-        logits = self.model(inputs[:, None], cache=self._decode_cache(batch.offsets))
+        logits = self.model(inputs[:, None], cache=self._decode_cache(offsets))
         return sample(logits[:, -1, :], batch.sampler)
 
     def _decode_cache(self, offsets: list[int]) -> list[LayerCache]:
