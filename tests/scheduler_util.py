@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from scheduler_proc.output import StepOutput
 from scheduler_proc.scheduler import Scheduler
+
+VOCAB = 49152  # the tiny random models' vocabulary
 
 _MODELS: dict[Path, Any] = {}
 
@@ -56,3 +59,12 @@ def drive(
 
 def tokens(outs: list[StepOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Greedy and blind to eos: exactly `max_tokens` tokens, comparable with mlx-lm's."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]

@@ -10,10 +10,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
+from scheduler_util import (
+    drive,
+    greedy,
+    make_scheduler,
+    random_prompt,
+    reference_greedy,
+    tiny_model,
+    tokens,
+)
 
 from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
 
 CHUNK = 16
 
@@ -21,10 +28,6 @@ CHUNK = 16
 @pytest.fixture(scope="module")
 def llama(tiny_weights_dir):
     return tiny_model(tiny_weights_dir)
-
-
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 def _run(model, arrivals, cache: bool, **overrides):
@@ -59,26 +62,22 @@ def _cached(outs, rid: str) -> int:
     return outs[rid][-1].cached_tokens
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(49152) for _ in range(n)]
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_full_partial_and_boundary_hits(llama, overlap):
     rng = random.Random(0)
-    a = _prompt(rng, 40)
+    a = random_prompt(rng, 40)
     later = 60  # NOTE: a finished long before, so its KV is cached
     arrivals = {
-        0: [("a", a, _greedy(6))],
+        0: [("a", a, greedy(6))],
         later: [
-            ("same", a, _greedy(5)),  # hit equal to the whole prompt: last token computed
-            ("longer", a + _prompt(rng, 50), _greedy(4)),  # full hit, several chunks after it
+            ("same", a, greedy(5)),  # hit equal to the whole prompt: last token computed
+            ("longer", a + random_prompt(rng, 50), greedy(4)),  # full hit, several chunks after it
         ],
         2 * later: [
-            ("at32", a[:32] + _prompt(rng, 9), _greedy(4)),  # ends at a chunk boundary
-            ("at33", a[:33] + _prompt(rng, 9), _greedy(4)),  # one past it and past a split
-            ("partial", a[:20] + _prompt(rng, 30), _greedy(4)),
-            ("miss", _prompt(rng, 30), _greedy(4)),
+            ("at32", a[:32] + random_prompt(rng, 9), greedy(4)),  # ends at a chunk boundary
+            ("at33", a[:33] + random_prompt(rng, 9), greedy(4)),  # one past it and past a split
+            ("partial", a[:20] + random_prompt(rng, 30), greedy(4)),
+            ("miss", random_prompt(rng, 30), greedy(4)),
         ],
     }
     sched, outs = _check(llama, arrivals, disable_overlap=not overlap)
@@ -93,22 +92,22 @@ def test_full_partial_and_boundary_hits(llama, overlap):
 def test_decoded_tokens_are_reused_across_turns(llama):
     """A second turn extends the first turn's prompt with its reply: all of that is a hit."""
     rng = random.Random(1)
-    turn1 = _prompt(rng, 30)
+    turn1 = random_prompt(rng, 30)
     reply = reference_greedy(llama, turn1, 8)
-    turn2 = turn1 + reply + _prompt(rng, 7)
-    arrivals = {0: [("t1", turn1, _greedy(8))], 50: [("t2", turn2, _greedy(6))]}
+    turn2 = turn1 + reply + random_prompt(rng, 7)
+    arrivals = {0: [("t1", turn1, greedy(8))], 50: [("t2", turn2, greedy(6))]}
     _, outs = _check(llama, arrivals)
     assert _cached(outs, "t2") == len(turn1) + len(reply) - 1
 
 
 def test_many_requests_share_one_prefix_at_once(llama):
     rng = random.Random(2)
-    system = _prompt(rng, 70)
-    arrivals = {0: [("warm", system + _prompt(rng, 3), _greedy(2))]}
+    system = random_prompt(rng, 70)
+    arrivals = {0: [("warm", system + random_prompt(rng, 3), greedy(2))]}
     arrivals[40] = [
-        (f"u{i}", system + _prompt(rng, rng.randint(1, 40)), _greedy(5)) for i in range(12)
+        (f"u{i}", system + random_prompt(rng, rng.randint(1, 40)), greedy(5)) for i in range(12)
     ]
-    arrivals[43] = [(f"v{i}", system[:50] + _prompt(rng, 10), _greedy(3)) for i in range(4)]
+    arrivals[43] = [(f"v{i}", system[:50] + random_prompt(rng, 10), greedy(3)) for i in range(4)]
     sched, outs = _check(llama, arrivals)
     assert all(_cached(outs, f"u{i}") >= len(system) for i in range(12))
     assert sched.stats()["prefix_cache_locked_tokens"] == 0
@@ -118,12 +117,12 @@ def test_many_requests_share_one_prefix_at_once(llama):
 def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
     """Two rows and a small store: requests wait for rows, the store evicts, parity holds."""
     rng = random.Random(3)
-    shared = [_prompt(rng, 60) for _ in range(3)]
+    shared = [random_prompt(rng, 60) for _ in range(3)]
     arrivals: dict = {}
     for i in range(14):
-        prompt = rng.choice(shared)[: rng.randint(10, 60)] + _prompt(rng, rng.randint(1, 60))
+        prompt = rng.choice(shared)[: rng.randint(10, 60)] + random_prompt(rng, rng.randint(1, 60))
         arrivals.setdefault(rng.randint(0, 60), []).append(
-            (f"r{i}", prompt, _greedy(rng.randint(1, 12)))
+            (f"r{i}", prompt, greedy(rng.randint(1, 12)))
         )
     budget = dict(max_total_tokens=3 * 160, context_length=160, max_running_requests=8)
     sched, outs = _check(llama, arrivals, disable_overlap=not overlap, **budget)
@@ -139,14 +138,14 @@ def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
 def test_a_prompt_that_can_never_fit_is_rejected(llama):
     sched = make_scheduler(llama, max_total_tokens=3 * 160, context_length=160)
     with pytest.raises(InvalidRequest):
-        sched.submit("big", list(range(1, 200)), _greedy(2))
+        sched.submit("big", list(range(1, 200)), greedy(2))
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_aborts_while_prefixes_are_shared(llama, overlap):
     """Aborts at random moments (waiting, prefilling, decoding) of requests sharing prefixes."""
     rng = random.Random(4)
-    system = _prompt(rng, 50)
+    system = random_prompt(rng, 50)
     sched = make_scheduler(
         llama, chunked_prefill_size=CHUNK, max_prefill_tokens=48, disable_overlap=not overlap,
         max_total_tokens=6 * 256, context_length=256, max_running_requests=8,
@@ -157,8 +156,8 @@ def test_aborts_while_prefixes_are_shared(llama, overlap):
     for step in range(400):
         if step < 300 and rng.random() < 0.3:
             rid, n = f"r{step}", rng.randint(1, 10)
-            prompt = system[: rng.randint(0, 50)] + _prompt(rng, rng.randint(1, 60))
-            sched.submit(rid, prompt, _greedy(n))
+            prompt = system[: rng.randint(0, 50)] + random_prompt(rng, rng.randint(1, 60))
+            sched.submit(rid, prompt, greedy(n))
             kept[rid] = (prompt, n)
             live.append(rid)
         if live and rng.random() < 0.2:
@@ -179,8 +178,10 @@ def test_aborts_while_prefixes_are_shared(llama, overlap):
 def test_simultaneous_arrivals_compute_a_shared_prompt_once(llama):
     """Users arriving together with one long system prompt: one prefills it, the rest reuse it."""
     rng = random.Random(5)
-    system = _prompt(rng, 150)
-    users = [(f"u{i}", system + _prompt(rng, rng.randint(3, 12)), _greedy(4)) for i in range(6)]
+    system = random_prompt(rng, 150)
+    users = [
+        (f"u{i}", system + random_prompt(rng, rng.randint(3, 12)), greedy(4)) for i in range(6)
+    ]
     sched, outs = _check(llama, {0: users})
     assert sum(_cached(outs, rid) >= len(system) for rid, _, _ in users) == len(users) - 1
     assert sched.stats()["prefill_tokens"] < 2 * len(system) + 6 * 12
@@ -205,7 +206,7 @@ def test_budget_split_stays_within_the_budget(budget, running):
 def test_offline_results_report_cached_tokens(tiny_weights_dir):
     from engine.offline import OfflineEngine
 
-    prompt = _prompt(random.Random(6), 40)
+    prompt = random_prompt(random.Random(6), 40)
     with OfflineEngine(str(tiny_weights_dir), max_total_tokens=4 * 256, context_length=256) as eng:
         first = eng.generate([prompt], dict(max_tokens=3, ignore_eos=True))[0]
         again = eng.generate([prompt], dict(max_tokens=3, ignore_eos=True))[0]

@@ -5,13 +5,20 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
+from scheduler_util import (
+    VOCAB,
+    drive,
+    greedy,
+    make_scheduler,
+    random_prompt,
+    reference_greedy,
+    tiny_model,
+    tokens,
+)
 
 from engine.errors import InvalidRequest, ShuttingDown
 from engine.random_model import TINY_LLAMA, make_random_model
 from engine.sampling_params import SamplingParams
-
-VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +33,6 @@ def small_vocab(tmp_path_factory):
     return tiny_model(make_random_model(path, {**TINY_LLAMA, "vocab_size": 512}))
 
 
-def _prompt(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_launch_bookkeeping(llama, overlap):
     sched = make_scheduler(llama, disable_overlap=not overlap, chunked_prefill_size=32)
@@ -44,7 +43,7 @@ def test_launch_bookkeeping(llama, overlap):
     sched._finalize = lambda b: (finalized.append((b.step_index, b.launch_ts)), real_finalize(b))
     rng = random.Random(0)
     arrivals = {
-        s: [(f"r{s}-{i}", _prompt(rng, rng.randint(1, 90)), _greedy(rng.randint(1, 30)))]
+        s: [(f"r{s}-{i}", random_prompt(rng, rng.randint(1, 90)), greedy(rng.randint(1, 30)))]
         for i, s in enumerate((0, 0, 3, 9, 20, 21))
     }
     drive(sched, arrivals)
@@ -66,11 +65,11 @@ def test_running_requests_keep_decoding_between_chunks(llama, overlap):
     )
     rng = random.Random(1)
     for i in range(8):
-        sched.submit(f"d{i}", _prompt(rng, 10), _greedy(400))
+        sched.submit(f"d{i}", random_prompt(rng, 10), greedy(400))
     for _ in range(6):  # let the 8 reach steady decode
         sched.step()
-    long_prompt = _prompt(rng, 1200)
-    sched.submit("long", long_prompt, _greedy(3))
+    long_prompt = random_prompt(rng, 1200)
+    sched.submit("long", long_prompt, greedy(3))
     chunk_steps = 0
     got_long: list[int] = []
     while not got_long:
@@ -96,7 +95,7 @@ def test_abort_storm_frees_all_kv_and_keeps_serving(small_vocab, overlap):
     for n in range(300):
         rid = f"a{n}"
         params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.8]))
-        sched.submit(rid, _prompt(rng, rng.randint(1, 120), 512), params)
+        sched.submit(rid, random_prompt(rng, rng.randint(1, 120), 512), params)
         live.append(rid)
         if rng.random() < 0.3:
             sched.abort(rid)  # while waiting
@@ -119,8 +118,8 @@ def test_abort_storm_frees_all_kv_and_keeps_serving(small_vocab, overlap):
     stats = sched.stats()
     assert stats["kv_rows_in_use"] == 0 and stats["kv_tokens_in_use"] == 0
     assert stats["running"] == 0 and stats["waiting"] == 0 and not sched.has_work()
-    prompt = _prompt(rng, 50, 512)
-    outs = drive(sched, {0: [("after", prompt, _greedy(8))]})
+    prompt = random_prompt(rng, 50, 512)
+    outs = drive(sched, {0: [("after", prompt, greedy(8))]})
     assert tokens(outs["after"]) == reference_greedy(small_vocab, prompt, 8)
 
 
@@ -131,8 +130,8 @@ def test_requests_wait_for_kv_rows(llama):
     )
     assert sched.stats()["kv_rows_total"] == 2
     rng = random.Random(3)
-    prompts = [_prompt(rng, rng.randint(1, 100)) for _ in range(6)]
-    reqs = [(f"w{i}", p, _greedy(20)) for i, p in enumerate(prompts)]
+    prompts = [random_prompt(rng, rng.randint(1, 100)) for _ in range(6)]
+    reqs = [(f"w{i}", p, greedy(20)) for i, p in enumerate(prompts)]
     sched.submit(*reqs[0])
     peak = 0
     outs: dict = {}
@@ -149,15 +148,15 @@ def test_requests_wait_for_kv_rows(llama):
 
 def test_request_capped_by_row_length(llama):
     sched = make_scheduler(llama, max_total_tokens=4 * 64, context_length=64)
-    prompt = _prompt(random.Random(4), 60)
-    outs = drive(sched, {0: [("c", prompt, _greedy(50))]})
+    prompt = random_prompt(random.Random(4), 60)
+    outs = drive(sched, {0: [("c", prompt, greedy(50))]})
     assert tokens(outs["c"]) == reference_greedy(llama, prompt, 4)
     assert outs["c"][-1].finish_reason == "length"
     with pytest.raises(InvalidRequest) as err:
-        sched.submit("too-long", list(range(64)), _greedy(1))
+        sched.submit("too-long", list(range(64)), greedy(1))
     assert err.value.field == "input_ids"
     with pytest.raises(InvalidRequest):
-        sched.submit("bad-id", [VOCAB], _greedy(1))
+        sched.submit("bad-id", [VOCAB], greedy(1))
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
@@ -165,7 +164,7 @@ def test_shutdown_aborts_everything_and_refuses_new_work(llama, overlap):
     sched = make_scheduler(llama, disable_overlap=not overlap, max_running_requests=2)
     rng = random.Random(5)
     for i in range(4):
-        sched.submit(f"s{i}", _prompt(rng, 20), _greedy(50))
+        sched.submit(f"s{i}", random_prompt(rng, 20), greedy(50))
     for _ in range(4):
         sched.step()  # two decoding (a step in flight with overlap), two waiting
     sched.shutdown()
@@ -174,17 +173,17 @@ def test_shutdown_aborts_everything_and_refuses_new_work(llama, overlap):
     assert all(o.finish_reason == "abort" for o in outs)
     assert not sched.has_work() and sched.stats()["kv_rows_in_use"] == 0
     with pytest.raises(ShuttingDown):
-        sched.submit("late", [1], _greedy(1))
+        sched.submit("late", [1], greedy(1))
 
 
 def test_failed_admission_keeps_deferred_requests(llama):
     """A step failing while admitting must not lose a request deferred earlier in that step."""
     sched = make_scheduler(llama, chunked_prefill_size=32, max_prefill_tokens=4096)
     rng = random.Random(5)
-    shared = _prompt(rng, 200)
-    sched.submit("first", shared + [1], _greedy(4))
-    sched.submit("waits", shared + [2], _greedy(4))  # deferred: shares 200 tokens with "first"
-    sched.submit("boom", _prompt(rng, 40), _greedy(4))
+    shared = random_prompt(rng, 200)
+    sched.submit("first", shared + [1], greedy(4))
+    sched.submit("waits", shared + [2], greedy(4))  # deferred: shares 200 tokens with "first"
+    sched.submit("boom", random_prompt(rng, 40), greedy(4))
     real_admit = sched.prefix.admit
 
     def admit(req):

@@ -5,7 +5,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
+from scheduler_util import (
+    drive,
+    greedy,
+    make_scheduler,
+    random_prompt,
+    reference_greedy,
+    tiny_model,
+    tokens,
+)
 
 from engine.sampling_params import SamplingParams
 
@@ -17,7 +25,7 @@ def _workload(seed: int):
     rng = random.Random(seed)
     reqs = []
     for i, n in enumerate(PROMPT_LENS):
-        prompt = [rng.randrange(49152) for _ in range(n)]
+        prompt = random_prompt(rng, n)
         max_tokens = rng.randint(1, 24)
         reqs.append((f"r{i}", prompt, max_tokens, rng.randint(0, 40)))  # arrival step
     return reqs
@@ -40,8 +48,7 @@ def _check_parity(model, overlap: bool) -> None:
     reqs = _workload(seed=1)
     arrivals: dict = {}
     for rid, prompt, max_tokens, at in reqs:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        arrivals.setdefault(at, []).append((rid, prompt, params))
+        arrivals.setdefault(at, []).append((rid, prompt, greedy(max_tokens)))
     outs = drive(sched, arrivals)
     for rid, prompt, max_tokens, _ in reqs:
         assert tokens(outs[rid]) == reference_greedy(model, prompt, max_tokens), rid
