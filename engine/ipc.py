@@ -7,7 +7,6 @@ The stable side (the receiver) binds; senders connect.
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -39,8 +38,8 @@ class Endpoints:
     launcher: str
 
     @classmethod
-    def create(cls, config: EngineConfig, run_dir: Path | None = None) -> Endpoints:
-        run_dir = run_dir or Path(tempfile.mkdtemp(prefix="mlx-engine-"))
+    def create(cls, config: EngineConfig, run_dir: Path) -> Endpoints:
+        """`run_dir` is the launcher's private directory (it removes it at exit)."""
         return cls(
             client=f"tcp://{config.host}:{config.zmq_port}",
             tokenizer=f"ipc://{run_dir}/tokenizer",
