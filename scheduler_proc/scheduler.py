@@ -139,8 +139,10 @@ class Scheduler:
         self._settle()
         batch = self._schedule()
         if batch is not None:
+            self._current = batch  # NOTE: in flight until finalized, so a failure is its own
             self._launch_fresh(batch)
             self._finalize(batch)
+            self._current = None
             self._settle()
 
     def _step_overlap(self) -> None:
@@ -148,19 +150,20 @@ class Scheduler:
         if cur is not None and self._can_chain(cur):
             self._next = self._launch_chained(cur)
         if cur is not None:
-            self._current = None
             self._finalize(cur)
-        nxt, self._next = self._next, None
+            self._current = None
+        nxt = self._next
         if nxt is not None and not self._must_break(nxt):
-            self._current = nxt
+            self._current, self._next = nxt, None
             return
         if nxt is not None:
             self._finalize(nxt)
+            self._next = None
         self._settle()
         batch = self._schedule()
         if batch is not None:
-            self._launch_fresh(batch)
             self._current = batch
+            self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
         if not cur.pure_decode or self.slots.prefilling() or self._admissible():

@@ -198,3 +198,37 @@ def test_failed_admission_keeps_deferred_requests(llama):
     )
     assert not sched.has_work()
     assert sched.stats()["kv_rows_in_use"] == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+@pytest.mark.parametrize("where", ["launch", "finalize"])
+def test_a_failed_step_fails_only_its_requests(llama, overlap, where, monkeypatch):
+    """A step that raises ends its own requests with an error; a waiting request still runs."""
+    import scheduler_proc.scheduler as scheduler_mod
+
+    sched = make_scheduler(llama, max_running_requests=1, disable_overlap=not overlap)
+    rng = random.Random(9)
+    waiting = random_prompt(rng, 12)
+    sched.submit("bad", random_prompt(rng, 12), greedy(3))
+    sched.submit("waiting", waiting, greedy(3))
+    if where == "launch":  # NOTE: graph building raises
+        monkeypatch.setattr(sched.runner, "launch", _fails_once(sched.runner.launch))
+    else:  # NOTE: evaluation raises, where the step's tokens are brought to the host
+        monkeypatch.setattr(scheduler_mod, "_host", _fails_once(scheduler_mod._host))
+    outs = drive(sched, {0: []})
+    assert outs["bad"][-1].finish_reason == "error"
+    assert outs["waiting"][-1].finish_reason == "length"
+    assert tokens(outs["waiting"]) == reference_greedy(llama, waiting, 3)
+    assert sched.stats()["kv_rows_in_use"] == 0
+
+
+def _fails_once(fn):
+    calls = []
+
+    def wrapped(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("step failed")
+        return fn(*args)
+
+    return wrapped
