@@ -7,6 +7,7 @@ measure what the process boundary costs. All MLX work stays on the engine thread
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import uuid
@@ -24,6 +25,8 @@ from engine.protocol import PROTOCOL_VERSION
 from engine.transport import Sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import prepare
+
+log = logging.getLogger("engine.inprocess")
 
 IDLE_WAIT_S = 0.05
 _STOP = object()
@@ -177,8 +180,14 @@ class InProcessTransport:
         try:
             self._admit(msg)
         except EngineError as e:
-            self.counters["requests_rejected"] += 1
-            self._reply(to_failure(msg.rid, e))
+            self._refuse(msg.rid, e)
+        except Exception as e:  # NOTE: as in the scheduler process: one bad request fails alone
+            log.exception("rid=%s submit failed", msg.rid)
+            self._refuse(msg.rid, EngineError(f"{type(e).__name__}: {e}"))
+
+    def _refuse(self, rid: str, error: EngineError) -> None:
+        self.counters["requests_rejected"] += 1
+        self._reply(to_failure(rid, error))
 
     def _admit(self, msg: tt.Generate) -> None:
         if self.draining:

@@ -14,7 +14,7 @@ import pytest
 from engine_harness import LaunchedEngine, bounded, reference_greedy  # noqa: F401
 
 from engine.client import AsyncEngineClient, EngineClient
-from engine.errors import InvalidRequest
+from engine.errors import EngineError, InvalidRequest
 from engine.inprocess import InProcessTransport
 
 TIMEOUT = 60.0
@@ -287,3 +287,21 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert first.usage.cached_tokens == 0
     assert again.usage.cached_tokens == len(prompt) - 1  # the last token is always computed
     assert again.token_ids == first.token_ids
+
+
+def test_a_request_the_scheduler_cannot_take_fails_alone(engine, client, monkeypatch):
+    """An unexpected error while submitting one request fails that request with a typed error,
+    as the scheduler process does, and the engine keeps serving (in-process only: the fault is
+    injected into its scheduler)."""
+    kind, target = engine
+    if kind != "inprocess":
+        pytest.skip("the fault is injected into the in-process scheduler")
+
+    def broken(*args, **kwargs):
+        raise ValueError("injected submit failure")
+
+    monkeypatch.setattr(target.sched, "submit", broken)
+    with pytest.raises(EngineError, match="ValueError: injected submit failure"):
+        client.generate(input_ids=[1, 2], max_tokens=2, timeout=10.0)
+    monkeypatch.undo()
+    assert client.generate(input_ids=[1, 2], max_tokens=2).finish_reason in ("stop", "length")
