@@ -170,3 +170,47 @@ def test_an_engine_that_stops_reading_is_declared_dead_even_with_a_full_send_que
         transport.close()
         stalled.close()
         ctx.term()
+
+
+def test_a_tokenizer_crash_fails_the_request_and_frees_its_slot(tmp_path):
+    """An unexpected exception while tokenizing one request answers that client with a typed
+    error and removes the request from the table (else it would wait forever and hold an
+    admission slot)."""
+    import asyncio
+    import socket
+
+    from engine.config import EngineConfig
+    from engine.ipc import Endpoints
+    from engine.messages import to_tokenizer as tt
+    from tokenizer_proc.frontend import Frontend
+
+    class Crashing:
+        bos_token = None
+
+        def encode(self, text, add_special_tokens=True):
+            raise RuntimeError("tokenizer crashed")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
+    facts = {"vocab_size": 100, "max_context": 64}
+    replies = []
+
+    async def scenario():
+        frontend = Frontend(config, Endpoints.create(config, tmp_path), Crashing(), facts, print)
+
+        async def record(client, msg):
+            replies.append(msg)
+            return True
+
+        frontend._send = record
+        try:
+            frame = Codec(tt.FromClient).encode(tt.Generate("r1", "hello"))
+            await frontend._on_client_frame(b"client", frame)
+            return len(frontend.table)
+        finally:
+            frontend.close()
+
+    assert asyncio.run(scenario()) == 0
+    assert len(replies) == 1 and isinstance(replies[0], tc.Failure)
+    assert replies[0].rid == "r1" and "RuntimeError: tokenizer crashed" in replies[0].message

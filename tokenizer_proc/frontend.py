@@ -186,9 +186,13 @@ class Frontend:
         self.table.add(msg.rid, entry)
         try:
             ids = await self._tokenize(msg)
-        except EngineError:
+        except Exception as e:
             self.table.pop(msg.rid)
-            raise
+            if isinstance(e, EngineError):
+                raise
+            # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
+            log.exception("rid=%s tokenization failed", msg.rid)
+            raise EngineError(f"{type(e).__name__}: {e}") from e
         self._forward(msg.rid, entry, ids, params)
 
     def _check_admission(self, rid: str) -> None:
