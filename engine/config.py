@@ -46,7 +46,13 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> EngineConfig:
-        positive = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens")
+        # NOTE: max_queued_requests 0 would refuse every request as Overloaded.
+        positive = (
+            "max_running_requests",
+            "chunked_prefill_size",
+            "max_prefill_tokens",
+            "max_queued_requests",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

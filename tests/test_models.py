@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 import engine.models as models
 from engine.cli import main
+from engine.config import EngineConfig
 from engine.errors import ModelError
 
 
@@ -71,6 +72,13 @@ def test_missing_gguf_is_a_model_error(tmp_path, monkeypatch):
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "missing.gguf")])
     assert result.exit_code == 1
     assert "no such file" in result.output
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_config_refuses_a_queue_that_takes_no_request(value):
+    """--max-queued-requests 0 or below was accepted, and then every request got Overloaded."""
+    with pytest.raises(ValueError, match="max_queued_requests must be > 0"):
+        EngineConfig(max_queued_requests=value).validate()
 
 
 def test_converted_default_model_works_with_mlx_lm_generate(default_model_dir):
