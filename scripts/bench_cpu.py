@@ -94,17 +94,16 @@ def _batches(args: argparse.Namespace) -> list[int]:
 
 def _load(path: str, config: Any) -> tuple[Any, float, float]:
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
     from engine.cpu_dequantize import maybe_dequantize
+    from engine.memory import weights_bytes
 
     t0 = time.perf_counter()
     model, _ = load_model(Path(path))
     model = maybe_dequantize(model, config)
     mx.eval(model.parameters())
-    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return model, time.perf_counter() - t0, nbytes / 1e6
+    return model, time.perf_counter() - t0, weights_bytes(model) / 1e6
 
 
 def _steps(model: Any, batch: int, args: argparse.Namespace) -> dict[str, float]:
