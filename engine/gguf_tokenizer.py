@@ -46,7 +46,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         raise ModelError(
             f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)"
         )
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    tokens = _tokens(meta)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
@@ -61,7 +61,7 @@ def write_tokenizer(meta: dict[str, Any], out: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out`."""
     tok = build_tokenizer(meta)
     tok.save(str(out / "tokenizer.json"))
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = _tokens(meta)
     special = {
         f"{name}_token": tokens[_int(meta, f"tokenizer.ggml.{key}_token_id")]
         for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))
@@ -85,7 +85,7 @@ def _specials(meta: dict[str, Any]) -> list[str]:
     types = meta.get("tokenizer.ggml.token_type")
     if types is None:
         return []
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = _tokens(meta)
     return [tokens[i] for i, t in enumerate(types.tolist()) if t in _SPECIAL_TYPES]
 
 
@@ -97,6 +97,12 @@ def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostP
     return processors.TemplateProcessing(
         single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
     )
+
+
+def _tokens(meta: dict[str, Any]) -> list[str]:
+    if "tokenizer.ggml.tokens" not in meta:
+        raise ModelError("GGUF metadata lacks tokenizer.ggml.tokens")
+    return list(meta["tokenizer.ggml.tokens"])
 
 
 def _str(meta: dict[str, Any], key: str, default: str | None = None) -> str:

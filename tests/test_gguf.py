@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -150,6 +151,14 @@ def test_unsupported_architecture_is_named(tmp_path, weights):
 def test_unsupported_tensor_type_is_named(tmp_path, weights):
     src = write_llama_gguf(tmp_path / "m.gguf", weights, QType.Q5_0)
     with pytest.raises(ModelError, match="cannot read GGUF"):
+        convert_gguf(src, tmp_path / "out")
+
+
+def test_missing_vocabulary_is_named(tmp_path, weights, monkeypatch):
+    """A GGUF without tokenizer.ggml.tokens once failed with a bare KeyError."""
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_list", lambda self, tokens: None)
+    src = write_llama_gguf(tmp_path / "m.gguf", weights)
+    with pytest.raises(ModelError, match="lacks tokenizer.ggml.tokens"):
         convert_gguf(src, tmp_path / "out")
 
 
