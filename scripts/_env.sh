@@ -10,7 +10,13 @@ EXTRA="${MLX_ENGINE_EXTRA:-}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "mlx-engine: creating $VENV" >&2
-    "$PY" -m venv "$VENV"
+    # A half-made venv (Debian without python3-venv leaves bin/python, no pip) would make
+    # every later run skip this step, so a failure removes it.
+    if ! "$PY" -m venv "$VENV"; then
+        rm -rf "$VENV"
+        echo "mlx-engine: could not create $VENV with $PY (on Debian: apt install python3-venv)" >&2
+        exit 1
+    fi
     "$VENV/bin/python" -m pip install -q --upgrade pip >&2
 fi
 
