@@ -98,9 +98,18 @@ class InProcessTransport:
             self._ready.set()
         try:
             self._loop()
-        finally:
             self._stop()
+        except Exception as e:  # NOTE: the MLX thread is shared; a crash fails clients, not it
+            log.exception("the in-process engine loop failed")
+            self._fail_waiting(f"the in-process engine failed: {type(e).__name__}: {e}")
+        finally:
             self._stopped.set()
+
+    def _fail_waiting(self, reason: str) -> None:
+        """Every waiting call gets `EngineDead` now; later calls get it from `send()`."""
+        self.dead = reason
+        for rid in list(self.sinks):
+            self._reply(to_failure(rid, EngineDead(reason)))
 
     def _start(self) -> None:
         from mlx_lm.utils import load_tokenizer
