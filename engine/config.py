@@ -24,7 +24,9 @@ class EngineConfig:
     host: str = _opt("127.0.0.1", "Host the client endpoints bind to")
     zmq_port: int = _opt(30001, "Port of the ZeroMQ SDK endpoint")
     port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API (reserved: not served yet)")
-    max_running_requests: int = _opt(64, "Most requests decoding in one batch")
+    max_running_requests: int = _opt(
+        32, "Most requests running at once (each holds a KV row of --context-length tokens)"
+    )
     chunked_prefill_size: int = _opt(512, "Prompt tokens per prefill chunk")
     max_prefill_tokens: int = _opt(2048, "Most prompt tokens processed in one step")
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
@@ -37,6 +39,9 @@ class EngineConfig:
     disable_radix_cache: bool = _opt(False, "Turn off the radix prefix cache (reuse of shared KV)")
     cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
     cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
+    warmup: str = _opt(
+        "auto", "Run every bucketed step shape once before READY: auto (on a GPU), on, off"
+    )
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
@@ -73,6 +78,8 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
+        if self.warmup not in ("auto", "on", "off"):
+            raise ValueError(f"warmup must be auto, on or off, got {self.warmup}")
         if self.cpu_dequantize not in ("auto", "on", "off"):
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self

@@ -1,4 +1,9 @@
-"""One launched step: prefill chunks and/or a decode of rows `[0, B)`, with its lazy outputs."""
+"""One launched step: one model forward, either prefill chunks or a decode of rows `[0, R)`.
+
+A step is a prefill step (prompt chunks of several requests, padded to one width, no logits
+needed) or a decode step (every decoding row plus the prompts whose last token is due; the last
+prompt token always runs here, so a prefill step never computes the LM head).
+"""
 
 from __future__ import annotations
 
@@ -10,27 +15,21 @@ from scheduler_proc.sampling import Sampled, SamplerState
 
 @dataclass(eq=False)
 class Chunk:
-    """Prompt tokens `[start, end)` of one request; the last chunk samples its first token."""
+    """Prompt tokens `[start, end)` of one request, written to its row by a prefill step."""
 
     req: Req
     start: int
     end: int
-    out: Sampled | None = None
-    joined: bool = False  # the last token runs as a row of the batch's decode forward
-
-    @property
-    def last(self) -> bool:
-        return self.end == self.req.prompt_len
 
 
 @dataclass(eq=False)
 class Batch:
-    """Decode rows are `decode + joined`: rows `[0, D)` decoding, then the requests whose last
-    prompt token rides in the same forward (rows `D..`, the first prefilling rows)."""
+    """Decode rows are `decode` (rows `[0, D)`) and `joined` (prefilling rows whose last prompt
+    token runs in this forward); rows between them that are not ready ride as padding."""
 
-    decode: list[Req]
-    chunks: list[Chunk] = field(default_factory=list)
+    decode: list[Req] = field(default_factory=list)
     joined: list[Req] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
     sampler: SamplerState | None = None
     chained: bool = False
     step_index: int = -1  # stamped by prepare_launch
@@ -42,8 +41,12 @@ class Batch:
         return self.decode + self.joined
 
     @property
+    def is_prefill(self) -> bool:
+        return bool(self.chunks)
+
+    @property
     def pure_decode(self) -> bool:
-        return bool(self.decode) and not self.chunks
+        return bool(self.decode) and not self.joined and not self.chunks
 
     def reqs(self) -> list[Req]:
-        return self.decode + [c.req for c in self.chunks]
+        return self.rows + [c.req for c in self.chunks]

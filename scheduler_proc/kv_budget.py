@@ -11,8 +11,8 @@ from engine.memory import KVBudget, kv_budget
 # without --context-length a row holds at most this many tokens (or the model's limit).
 DEFAULT_CONTEXT_CAP = 4096
 
-# NOTE: with the prefix cache on, at least this share of the budget holds cached prefixes; the
-# rest holds rows of running requests (see docs/prefix_cache.md for why the split is fixed).
+# NOTE: with the prefix cache on, the store holds up to this share of what the rows hold; it is
+# sized after the rows and never takes one away (see docs/prefix_cache.md).
 STORE_SHARE = 0.25
 
 
@@ -22,33 +22,38 @@ class KVPlan:
     row_len: int
     store_tokens: int  # prefix store slots; 0: no prefix cache
     budget: KVBudget
+    rows_wanted: int  # --max-running-requests
+
+    @property
+    def tokens(self) -> int:
+        """Tokens allocated: request rows, the scratch row and the store."""
+        return (self.rows + 1) * self.row_len + self.store_tokens
 
     def describe(self) -> str:
+        gib = self.tokens * self.budget.bytes_per_token / 2**30
+        rows = f"{self.rows} rows"
+        if self.rows < self.rows_wanted:
+            rows += f" (memory allows {self.rows} of the {self.rows_wanted} asked)"
         return (
-            f"{self.budget.describe()}; allocated: {self.rows} rows x {self.row_len} tokens "
-            f"+ prefix store {self.store_tokens} tokens"
+            f"KV allocated {gib:.2f} GiB: {rows} x {self.row_len} tokens + prefix store "
+            f"{self.store_tokens} tokens; cap: {self.budget.describe()}"
         )
 
 
 def plan_kv(
     config: EngineConfig, bytes_per_token: int, max_positions: int | None, weights: int = 0
 ) -> KVPlan:
-    """A row fits the longest allowed request; rows x row_len + store stay within the budget."""
+    """Rows for --max-running-requests first, then the store, all within the memory cap.
+
+    The pool is sized from what the rows need, not from the device: the cap (--mem-fraction or
+    --max-total-tokens) only bounds it. One extra row is the scratch row padded forwards write to.
+    """
     budget = kv_budget(config.max_total_tokens, config.mem_fraction, bytes_per_token, weights)
     total = budget.tokens
     cap = config.context_length or min(max_positions or DEFAULT_CONTEXT_CAP, DEFAULT_CONTEXT_CAP)
-    row_len = max(2, min(cap, total))
-    for_rows = total if config.disable_radix_cache else total - int(total * STORE_SHARE)
-    rows = max(1, min(config.max_running_requests, for_rows // row_len))
-    store = 0 if config.disable_radix_cache else _store_tokens(total, rows * row_len)
-    return KVPlan(rows, row_len, store, budget)
-
-
-def _store_tokens(total: int, in_rows: int) -> int:
-    """What the rows leave, but no more than the rows themselves hold.
-
-    NOTE: buffers are allocated (and zeroed) at start-up; when --max-running-requests bounds the
-    rows, a store as large as the whole remaining budget (gigabytes on a big host) would cost
-    start-up time and resident memory for history no running batch could use as fast as it fills.
-    """
-    return min(max(0, total - in_rows), in_rows)
+    row_len = max(2, min(cap, total // 2))
+    want = config.max_running_requests
+    rows = max(1, min(want, total // row_len - 1))
+    left = max(0, total - (rows + 1) * row_len)
+    store = 0 if config.disable_radix_cache else min(left, int(rows * row_len * STORE_SHARE))
+    return KVPlan(rows, row_len, store, budget, want)

@@ -5,10 +5,11 @@ compact (`[0, rows_in_use)`), so a batched step reads `K[:B, :, :L]` as a slice.
 `LayerCache` objects speak mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`), so
 mlx-lm models run on it unpatched. See docs/kv_cache.md for the decision and its measurements.
 
-Allocation API (used by the scheduler, and by a prefix cache later):
+Allocation API (used by the scheduler and the prefix cache):
 `alloc() -> row`, `copy_row(src, dst)`, `pop_row()`, `read_row(row, end)`, `write_row(row, kv)`.
-Views select what the next forward touches: `prefill_view(row, start)` (one row, int offset) or
-`decode_view(offsets)` (rows `[0, len(offsets))`, one new token each, array offsets).
+Views select what the step's one forward touches: `row_view(row, start)` (one row, int offset:
+mlx-lm's own single-stream path) or `ragged_view(plan, kv_len)` (a padded batch of rows, each
+with its own start and number of real tokens: every decode row and prefill chunk of a step).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def bytes_per_token(shapes: list[LayerShape]) -> int:
     return sum(s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size for s in shapes)
 
 
-class _PrefillView:
-    """One row, prompt tokens written at `start:`; masks exactly as mlx-lm's KVCache does."""
+class _RowView:
+    """One row at an int offset, no padding: exactly mlx-lm's single-stream KVCache path."""
 
     def __init__(self, row: int, start: int) -> None:
         self.row, self.offset = row, start
@@ -51,29 +52,72 @@ class _PrefillView:
         return mlx_cache.create_attention_mask(n, self.offset, return_array, window_size)
 
 
-class _DecodeView:
-    """Rows `[0, B)`, one token each, written at each row's own offset (a scatter)."""
+class _RaggedView:
+    """A padded batch of R rows x T query positions over the pool, for one forward.
 
-    def __init__(self, offsets: list[int]) -> None:
-        self.rows = mx.arange(len(offsets))
-        self.offset = mx.array(offsets, dtype=mx.int32)
-        self.length = max(offsets) + 1
+    Row i of the forward holds `lengths[i]` real tokens (0 for a pad row) at positions
+    `starts[i]:starts[i] + lengths[i]` of pool row `rows[i]`. Real tokens are written in place with
+    one scatter; padding is written to the scratch row, so no row in use ever sees it. Attention
+    reads keys `[0, kv_len)` (a bucketed length) of the rows: a slice when they are `[0, R)` (a
+    decode step), a gather otherwise (a prefill step, where the gather is small next to the work).
+    """
+
+    def __init__(self, plan: StepRows, scratch: int, kv_len: int) -> None:
+        self.length = kv_len
+        t = plan.width
+        self.offset = mx.array(plan.starts, dtype=mx.int32)
+        self._read_rows = plan.read_rows()
+        rows, pos = plan.write_index(scratch)
+        self._write = (mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32))
+        self._t = t
+        self._mask: mx.array | None = None
 
     def write(self, buf: mx.array, new: mx.array) -> mx.array:
-        buf[self.rows, :, self.offset] = new[:, :, 0, :]
+        rows, pos = self._write
+        # NOTE: (R, kv_heads, T, dim) -> (R, T, kv_heads, dim), the shape of buf[rows, :, pos].
+        buf[rows, :, pos] = new.transpose(0, 2, 1, 3)
         return buf
 
     def read(self, buf: mx.array, n: int) -> mx.array:
-        return buf[: self.rows.size, :, : self.length]
+        return buf[self._read_rows, :, : self.length]
 
     def mask(self, n: int, return_array: bool, window_size: int | None) -> mx.array:
-        # NOTE: a per-row length mask; rows shorter than the longest see only their own keys.
-        keys = mx.arange(self.length)[None]
-        last = self.offset[:, None]
-        visible = keys <= last
-        if window_size is not None:
-            visible = visible & (keys > last - window_size)
-        return visible[:, None, None, :]
+        if self._mask is None:
+            self._mask = ragged_mask(self.offset, self._t, self.length, window_size)
+        return self._mask
+
+
+def ragged_mask(starts: mx.array, width: int, kv_len: int, window: int | None) -> mx.array:
+    """(R, 1, T, L): query t of row r (at position starts[r] + t) sees keys up to its own."""
+    keys = mx.arange(kv_len)[None, None]
+    query = (starts[:, None] + mx.arange(width)[None])[:, :, None]
+    visible = keys <= query
+    if window is not None:
+        visible = visible & (keys > query - window)
+    return visible[:, None]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Which pool rows a forward covers and where each row's tokens go (host-side plan)."""
+
+    rows: list[int]  # pool row of each forward row (pad rows: any row, never written)
+    starts: list[int]  # position of each row's first token
+    lengths: list[int]  # real tokens per row; 0 for a pad row
+    width: int  # T, the padded query length
+
+    def read_rows(self) -> slice | mx.array:
+        n = len(self.rows)
+        if self.rows == list(range(n)):
+            return slice(0, n)
+        return mx.array(self.rows, dtype=mx.int32)
+
+    def write_index(self, scratch: int) -> tuple[list[list[int]], list[list[int]]]:
+        rows, pos = [], []
+        for row, start, n in zip(self.rows, self.starts, self.lengths, strict=True):
+            rows.append([row] * n + [scratch] * (self.width - n))
+            pos.append([start + t for t in range(n)] + list(range(n, self.width)))
+        return rows, pos
 
 
 class LayerCache:
@@ -98,16 +142,20 @@ class KVPool:
 
     def __init__(self, shapes: list[LayerShape], rows: int, row_len: int) -> None:
         self.shapes, self.rows, self.row_len = shapes, rows, row_len
-        self.keys = [mx.zeros((rows, s.kv_heads, row_len, s.k_dim), s.dtype) for s in shapes]
-        self.values = [mx.zeros((rows, s.kv_heads, row_len, s.v_dim), s.dtype) for s in shapes]
+        # NOTE: one row more than requests can hold: the scratch row takes a padded forward's
+        # padding writes, so they never touch a row in use.
+        self.scratch = rows
+        n = rows + 1
+        self.keys = [mx.zeros((n, s.kv_heads, row_len, s.k_dim), s.dtype) for s in shapes]
+        self.values = [mx.zeros((n, s.kv_heads, row_len, s.v_dim), s.dtype) for s in shapes]
         mx.eval(self.keys, self.values)
         self.rows_in_use = 0
-        self.view: _PrefillView | _DecodeView | None = None
+        self.view: _RowView | _RaggedView | None = None
         self.layers = [LayerCache(self, i) for i in range(len(shapes))]
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.row_len * bytes_per_token(self.shapes)
+        return (self.rows + 1) * self.row_len * bytes_per_token(self.shapes)
 
     # -- allocation --------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -148,12 +196,14 @@ class KVPool:
         return zip(self.keys, self.values, strict=True)
 
     # -- forward views -----------------------------------------------------------------------
-    def prefill_view(self, row: int, start: int) -> list[LayerCache]:
-        self.view = _PrefillView(row, start)
+    def row_view(self, row: int, start: int) -> list[LayerCache]:
+        """One row, tokens at `start:`, int offset (a single stream's step)."""
+        self.view = _RowView(row, start)
         return self.layers
 
-    def decode_view(self, offsets: list[int]) -> list[LayerCache]:
-        self.view = _DecodeView(offsets)
+    def ragged_view(self, plan: StepRows, kv_len: int) -> list[LayerCache]:
+        """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row."""
+        self.view = _RaggedView(plan, self.scratch, kv_len)
         return self.layers
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:

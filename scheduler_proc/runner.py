@@ -1,14 +1,28 @@
-"""Builds a step's lazy graph on the slot KV cache and queues it with `mx.async_eval`."""
+"""Builds a step's one lazy forward on the slot KV cache and queues it with `mx.async_eval`.
+
+Every forward has a bucketed shape (`scheduler_proc.shapes`): rows, query width and keys read are
+rounded up, and padding rows and positions write only to the pool's scratch row.
+"""
 
 from __future__ import annotations
+
+import logging
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, Chunk
-from scheduler_proc.kv_cache import KVPool, LayerCache
+from scheduler_proc.kv_cache import KVPool, LayerCache, StepRows
 from scheduler_proc.request import Req
-from scheduler_proc.sampling import RowParams, Sampled, build_state, sample
+from scheduler_proc.sampling import RowParams, Sampled, SamplerState, build_state, sample
+from scheduler_proc.shapes import Ladders
+
+log = logging.getLogger(__name__)
+
+_PAD_PARAMS = SamplingParams(temperature=0.0)
+_PAD_ROW = RowParams(_PAD_PARAMS, 0, 0, [], [])
 
 
 def row_params(req: Req) -> RowParams:
@@ -16,61 +30,125 @@ def row_params(req: Req) -> RowParams:
 
 
 class Runner:
-    def __init__(self, model: nn.Module, pool: KVPool, vocab: int) -> None:
-        self.model, self.pool, self.vocab = model, pool, vocab
+    def __init__(self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders) -> None:
+        self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
+        self.shapes_seen: set[tuple[int, ...]] = set()
 
     def launch(self, batch: Batch, decode_inputs: mx.array | None) -> None:
-        """Build every forward of the batch and queue it; nothing here blocks."""
-        for chunk in batch.chunks:
-            self._prefill(chunk)
-        if batch.rows:
+        """Build the batch's one forward and queue it; nothing here blocks."""
+        if batch.is_prefill:
+            self._prefill(batch.chunks)
+        else:
             batch.decode_out = self._decode(batch, decode_inputs)
         mx.async_eval(*_outputs(batch), *self.pool.state())
 
+    def decode_rows(self, batch: Batch) -> int:
+        """Forward rows of a decode step: up to the last active row, then bucketed."""
+        return self.ladders.pad_rows(max(r.row for r in batch.rows) + 1)
+
     def decode_inputs(self, batch: Batch) -> mx.array:
-        last = [r.output_ids[-1] for r in batch.decode] + [r.input_ids[-1] for r in batch.joined]
-        return mx.array(last, dtype=mx.int32)
+        """Each row's input token: its last output, or a joined prompt's last token; pads 0."""
+        tokens = [0] * self.decode_rows(batch)
+        for r in batch.decode:
+            tokens[r.row] = r.output_ids[-1]
+        for r in batch.joined:
+            tokens[r.row] = r.input_ids[-1]
+        return mx.array(tokens, dtype=mx.int32)
 
-    def _prefill(self, chunk: Chunk) -> None:
-        req = chunk.req
-        # NOTE: as mlx-lm does, the last prompt token runs on its own, so the LM head (the
-        # costliest matmul at small sizes) is computed for one position, not the whole chunk.
-        body_end = chunk.end - 1 if chunk.last else chunk.end
-        if body_end > chunk.start:
-            self._forward(req, chunk.start, body_end)
-        req.kv_len = body_end
-        if chunk.last and not chunk.joined:
-            req.kv_len = chunk.end
-            logits = self._forward(req, chunk.end - 1, chunk.end)
-            state = build_state([row_params(req)], self.vocab)
-            chunk.out = sample(logits[:, -1, :], state)
+    # -- prefill -------------------------------------------------------------------------------
+    def _prefill(self, chunks: list[Chunk]) -> None:
+        """Prompt chunks of several rows in one padded forward; only the KV writes are used.
 
-    def _forward(self, req: Req, start: int, end: int) -> mx.array:
-        tokens = mx.array(req.input_ids[start:end], dtype=mx.int32)[None]
-        return self.model(tokens, cache=self.pool.prefill_view(req.row, start))
+        NOTE: the logits are never evaluated, so the LM head (and the last layer's MLP) never
+        runs: `mx.async_eval` asks only for the KV buffers.
+        """
+        width = self.ladders.pad_width(max(c.end - c.start for c in chunks))
+        n = self.ladders.pad_rows(len(chunks))
+        pad = n - len(chunks)
+        plan = StepRows(
+            rows=[c.req.row for c in chunks] + [self.pool.scratch] * pad,
+            starts=[c.start for c in chunks] + [0] * pad,
+            lengths=[c.end - c.start for c in chunks] + [0] * pad,
+            width=width,
+        )
+        kv_len = self.ladders.pad_kv(max(c.end for c in chunks))
+        tokens = [c.req.input_ids[c.start : c.end] for c in chunks]
+        grid = [t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * pad
+        for c in chunks:
+            c.req.kv_len = c.end
+        self._forward(mx.array(grid, dtype=mx.int32), self.pool.ragged_view(plan, kv_len))
 
+    # -- decode --------------------------------------------------------------------------------
     def _decode(self, batch: Batch, inputs: mx.array) -> Sampled:
-        rows = batch.rows
+        n = inputs.shape[0]
         if batch.sampler is None:
-            batch.sampler = build_state([row_params(r) for r in rows], self.vocab)
-        offsets = [r.kv_len for r in rows]
-        for r in rows:
+            batch.sampler = self._sampler(batch, n)
+        starts = [0] * n
+        for r in batch.rows:
+            starts[r.row] = r.kv_len
             r.kv_len += 1
-        logits = self.model(inputs[:, None], cache=self._decode_cache(offsets))
+        logits = self._forward(inputs[:, None], self._decode_cache(batch, starts))
         return sample(logits[:, -1, :], batch.sampler)
 
-    def _decode_cache(self, offsets: list[int]) -> list[LayerCache]:
-        # NOTE: one row is row 0 with an int offset: mlx-lm's own single-stream path (slice write,
-        # no mask), cheaper than the batched scatter + per-row length mask.
-        if len(offsets) == 1:
-            return self.pool.prefill_view(0, offsets[0])
-        return self.pool.decode_view(offsets)
+    def _sampler(self, batch: Batch, n: int) -> SamplerState:
+        rows = [_PAD_ROW] * n
+        for r in batch.rows:
+            rows[r.row] = row_params(r)
+        return build_state(rows, self.vocab)
+
+    def _decode_cache(self, batch: Batch, starts: list[int]) -> list[LayerCache]:
+        # NOTE: a lone row 0 takes mlx-lm's own single-stream path (int offset, slice write, no
+        # mask): cheaper than the padded batch's scatter and mask.
+        if len(starts) == 1:
+            return self.pool.row_view(0, starts[0])
+        lengths = [0] * len(starts)
+        for r in batch.rows:
+            lengths[r.row] = 1
+        plan = StepRows(list(range(len(starts))), starts, lengths, width=1)
+        return self.pool.ragged_view(plan, self.ladders.pad_kv(max(starts) + 1))
+
+    def _forward(self, tokens: mx.array, cache: list[LayerCache]) -> mx.array:
+        view = self.pool.view
+        self.shapes_seen.add((*tokens.shape, getattr(view, "length", -1)))
+        return self.model(tokens, cache=cache)
+
+    # -- warm-up -------------------------------------------------------------------------------
+    def warm_up(self, budget_tokens: int, deadline_s: float) -> tuple[int, float]:
+        """Run every decode and first-chunk prefill shape once, writing only the scratch row.
+
+        Returns (forwards run, seconds). Stops at `deadline_s`; later shapes then compile when
+        first seen.
+        """
+        t0 = time.monotonic()
+        done = 0
+        for tokens, plan, kv_len in self._warm_shapes(budget_tokens):
+            if time.monotonic() - t0 > deadline_s:
+                log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
+                break
+            logits = self._forward(tokens, self.pool.ragged_view(plan, kv_len))
+            state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
+            mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
+            done += 1
+        return done, time.monotonic() - t0
+
+    def _warm_shapes(self, budget_tokens: int):
+        lad, scratch = self.ladders, self.pool.scratch
+        for n in lad.rows[1:]:  # NOTE: one row decodes on mlx-lm's own path, no shape to warm
+            for kv_len in lad.kv:
+                # NOTE: rows [0, n) as a decode step reads them; no real token, so every
+                # write goes to the scratch row and no row in use changes.
+                plan = StepRows(list(range(n)), [0] * n, [0] * n, width=1)
+                yield mx.zeros((n, 1), mx.int32), plan, kv_len
+        for width in lad.widths:
+            for n in lad.rows:
+                if n > 1 and n * width > budget_tokens:
+                    break
+                plan = StepRows([scratch] * n, [0] * n, [0] * n, width=width)
+                yield mx.zeros((n, width), mx.int32), plan, lad.pad_kv(width)
 
 
 def _outputs(batch: Batch) -> list[mx.array]:
-    outs = [c.out for c in batch.chunks if c.out is not None]
-    if batch.decode_out is not None:
-        outs.append(batch.decode_out)
-    return [
-        a for s in outs for a in (s.tokens, s.logprob, s.top_ids, s.top_logprobs) if a is not None
-    ]
+    s = batch.decode_out
+    if s is None:
+        return []
+    return [a for a in (s.tokens, s.logprob, s.top_ids, s.top_logprobs) if a is not None]

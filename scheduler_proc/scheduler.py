@@ -30,9 +30,13 @@ from scheduler_proc.prefix_store import PrefixStore
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.sampling import Sampled, advance
+from scheduler_proc.shapes import Ladders
 from scheduler_proc.slots import SlotTable
 
 log = logging.getLogger(__name__)
+
+# NOTE: a first-seen shape costs ~50-100 ms on a GPU; beyond this the rest compile when first seen.
+WARM_UP_DEADLINE_S = 120.0
 
 COUNTERS = (
     "steps_launched",  # fresh + chained, counted by prepare_launch only
@@ -41,8 +45,8 @@ COUNTERS = (
     "batches_finalized",
     "prefill_tokens",
     "generated_tokens",
-    "last_tokens_joined",  # prompts whose last token ran inside a decode forward
-    "last_tokens_alone",  # ... or in a one-token forward of its own
+    "steps_prefill",  # steps whose one forward ran prompt chunks
+    "steps_decode",  # steps whose one forward decoded rows (and prompts' last tokens)
     "requests_finished",
     "requests_aborted",
 )
@@ -60,7 +64,10 @@ class Scheduler:
         cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
         self.prefix = PrefixReuse(cache, self.pool)
         self.slots = SlotTable(self.pool)
-        self.runner = Runner(model, self.pool, self.vocab)
+        self.ladders = Ladders.for_pool(
+            self.pool.rows, self.pool.row_len, config.chunked_prefill_size
+        )
+        self.runner = Runner(model, self.pool, self.vocab, self.ladders)
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
@@ -74,6 +81,8 @@ class Scheduler:
         self._next: Batch | None = None
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
+        self._prefill_last = False  # the last fresh step was a prefill step
+        self.warm_up_s = self._warm_up()
 
     # -- public interface --------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -121,6 +130,7 @@ class Scheduler:
             "kv_tokens_in_use": used,
             "kv_tokens_free": total - used,
             "kv_bytes": self.pool.nbytes,
+            "shapes_seen": len(self.runner.shapes_seen),
             **self.prefix.stats(),
         }
 
@@ -133,6 +143,15 @@ class Scheduler:
             self.abort(rid)
         self._settle()
         mx.synchronize()
+
+    def _warm_up(self) -> float:
+        """Run every bucketed step shape once (on a GPU by default); returns the seconds taken."""
+        mode = self.config.warmup
+        if mode == "off" or (mode == "auto" and mx.default_device() == mx.cpu):
+            return 0.0
+        n, seconds = self.runner.warm_up(self.config.max_prefill_tokens, WARM_UP_DEADLINE_S)
+        log.info("warm-up: %d step shapes in %.1f s", n, seconds)
+        return seconds
 
     # -- the two loops -----------------------------------------------------------------------
     def _step_sync(self) -> None:
@@ -182,6 +201,7 @@ class Scheduler:
         """All launch bookkeeping, for fresh and chained launches alike, before graph building."""
         self._counters["steps_launched"] += 1
         self._counters["steps_chained" if batch.chained else "steps_fresh"] += 1
+        self._counters["steps_prefill" if batch.is_prefill else "steps_decode"] += 1
         batch.step_index = self._counters["steps_launched"]
         batch.launch_ts = time.monotonic()
         if self.on_launch is not None:
@@ -200,14 +220,29 @@ class Scheduler:
         return batch
 
     def _schedule(self) -> Batch | None:
-        budget = self.config.max_prefill_tokens
-        chunks: list[Chunk] = []
-        for req in self.slots.prefilling():
-            if budget > 0 and req.prefilled < req.prompt_len:
-                budget -= self._add_chunk(req, chunks, budget)
+        """One forward per step: prefill chunks, or every decode row and due last tokens.
+
+        NOTE: decode rows wait at most one prefill step: after a prefill step, a decode step runs
+        whenever there is a row to decode.
+        """
+        self._admit()
+        rows = self.slots.decoding()
+        joined = [r for r in self.slots.prefilling() if _due(r)]
+        if not (self._prefill_last and (rows or joined)):
+            chunks = self._plan_chunks()
+            if chunks:
+                self._prefill_last = True
+                return Batch(chunks=chunks)
+        self._prefill_last = False
+        if not rows and not joined:
+            return None
+        return Batch(decode=list(rows), joined=joined)
+
+    def _admit(self) -> None:
+        """Waiting requests take free rows (with their cached prefix) in arrival order."""
         deferred: list[Req] = []
         try:
-            while budget > 0 and self._admissible():
+            while self._admissible():
                 req = self._waiting.popleft()
                 if self.prefix.should_wait(req, self.slots.prefilling()):
                     deferred.append(req)
@@ -215,58 +250,51 @@ class Scheduler:
                 req.state = State.PREFILLING
                 self.slots.add(req)
                 self.prefix.admit(req)
-                budget -= self._add_chunk(req, chunks, budget)
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
             self._waiting.extendleft(reversed(deferred))
-        decode = self.slots.decoding()
-        if not chunks and not decode:
-            return None
-        return Batch(decode=list(decode), chunks=chunks, joined=self._join_last_tokens(chunks))
 
-    def _join_last_tokens(self, chunks: list[Chunk]) -> list[Req]:
-        """Last chunks of the first prefilling rows run their last token in the decode forward.
+    def _plan_chunks(self) -> list[Chunk]:
+        """Prompt chunks for one padded prefill forward: the width that runs the most tokens.
 
-        NOTE: a separate one-token forward would read every weight once more per prompt; as rows
-        `D, D+1, ...` right after the decoding rows they ride in the batch's decode step instead.
+        NOTE: every row of the forward is padded to one width, so a long prompt next to short
+        ones gets a chunk of the width that suits them all, and rows x width stays within
+        --max-prefill-tokens.
         """
-        by_req = {c.req.rid: c for c in chunks}
-        joined = []
-        for req in self.slots.prefilling():
-            chunk = by_req.get(req.rid)
-            if chunk is None or not chunk.last:
-                break
-            chunk.joined = True
-            joined.append(req)
-        alone = sum(c.last for c in chunks) - len(joined)
-        self._counters["last_tokens_joined"] += len(joined)
-        self._counters["last_tokens_alone"] += alone
-        return joined
-
-    def _add_chunk(self, req: Req, chunks: list[Chunk], budget: int) -> int:
-        n = min(self.config.chunked_prefill_size, req.prompt_len - req.prefilled, budget)
-        chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
-        req.prefilled += n
-        self._counters["prefill_tokens"] += n
-        return n
+        todo = [r for r in self.slots.prefilling() if _body_left(r) > 0]
+        if not todo:
+            return []
+        budget = self.config.max_prefill_tokens
+        best: tuple[int, int] = (0, 0)  # (tokens, width)
+        for width in self.ladders.widths:
+            fit = todo[: max(1, budget // width)]
+            got = sum(min(_body_left(r), width) for r in fit)
+            if got > best[0]:
+                best = (got, width)
+        width = best[1]
+        chunks = []
+        for req in todo[: max(1, budget // width)]:
+            n = min(_body_left(req), width)
+            chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
+            req.prefilled += n
+            self._counters["prefill_tokens"] += n
+        return chunks
 
     # -- results -----------------------------------------------------------------------------
     def _finalize(self, batch: Batch) -> None:
-        """Block on a launched step and apply its tokens; finished requests' tokens are dropped."""
+        """Block on a launched step and apply its tokens; finished requests' tokens are dropped.
+
+        A prefill step has no tokens: nothing to wait for (its KV writes are ordered before the
+        next forward by the buffers themselves).
+        """
         assert batch.launch_ts is not None and batch.step_index > 0, "batch was never launched"
         self._counters["batches_finalized"] += 1
-        if batch.decode_out is not None:
-            n = len(batch.decode)
-            for i, (req, tok, lp) in enumerate(
-                zip(batch.rows, *_host(batch.decode_out), strict=True)
-            ):
-                if i >= n:
-                    self._start_decoding(req)
-                self._accept(req, tok, lp)
-        for chunk in batch.chunks:
-            if chunk.out is not None:
-                self._start_decoding(chunk.req)
-                tok, lp = _host(chunk.out)
-                self._accept(chunk.req, tok[0], lp[0])
+        if batch.decode_out is None:
+            return
+        tokens, logprobs = _host(batch.decode_out)
+        for req in batch.joined:
+            self._start_decoding(req)
+        for req in batch.rows:
+            self._accept(req, tokens[req.row], logprobs[req.row])
 
     def _start_decoding(self, req: Req) -> None:
         """Its prompt is in the KV and its first token sampled: it joins the decode rows."""
@@ -339,6 +367,16 @@ class Scheduler:
             raise InvalidRequest("input_ids", f"{len(input_ids)} tokens exceed the limit {limit}")
         if min(input_ids) < 0 or max(input_ids) >= self.vocab:
             raise InvalidRequest("input_ids", f"token ids must be in [0, {self.vocab})")
+
+
+def _body_left(req: Req) -> int:
+    """Prompt tokens still to prefill before the last one (which runs in a decode step)."""
+    return req.prompt_len - 1 - req.prefilled
+
+
+def _due(req: Req) -> bool:
+    """A prefilling request whose last prompt token runs in the next decode step."""
+    return _body_left(req) == 0
 
 
 def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -27,8 +27,29 @@ def tiny_model(path: Path) -> Any:
 
 
 def make_scheduler(model: Any, eos: tuple[int, ...] = (), **overrides: Any) -> Scheduler:
-    base = dict(max_running_requests=32, max_total_tokens=32 * 2048, context_length=2048)
+    # NOTE: 32 rows + the scratch row, and 7 rows' worth of prefix store.
+    base = dict(max_running_requests=32, max_total_tokens=40 * 2048, context_length=2048)
     return Scheduler(EngineConfig(**{**base, **overrides}), model, eos)
+
+
+def count_forwards(sched: Scheduler) -> list[int]:
+    """Model calls per launched step, appended to as the scheduler runs."""
+    per_step: list[int] = []
+    model = sched.runner.model
+    real_launch = sched.on_launch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        per_step[-1] += 1
+        return model(*args, **kwargs)
+
+    def on_launch(batch: Any) -> None:
+        per_step.append(0)
+        if real_launch is not None:
+            real_launch(batch)
+
+    sched.runner.model = counted
+    sched.on_launch = on_launch
+    return per_step
 
 
 def reference_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:

@@ -124,14 +124,16 @@ def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
         arrivals.setdefault(rng.randint(0, 60), []).append(
             (f"r{i}", prompt, greedy(rng.randint(1, 12)))
         )
-    budget = dict(max_total_tokens=3 * 160, context_length=160, max_running_requests=8)
+    # NOTE: two rows, the scratch row and an 80-token store.
+    budget = dict(max_total_tokens=3 * 160 + 80, context_length=160, max_running_requests=2)
     sched, outs = _check(llama, arrivals, disable_overlap=not overlap, **budget)
     stats = sched.stats()
-    assert stats["kv_rows_total"] == 2 and stats["prefix_cache_capacity"] == 160
+    assert stats["kv_rows_total"] == 2 and stats["prefix_cache_capacity"] == 80
     assert stats["prefix_cache_evicted_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
     allocated = sched.pool.nbytes + sched.prefix.cache.store.nbytes
     plan = sched.kv_plan
+    assert allocated == plan.tokens * plan.budget.bytes_per_token
     assert allocated <= plan.budget.tokens * plan.budget.bytes_per_token, "KV beyond the budget"
 
 
@@ -148,7 +150,7 @@ def test_aborts_while_prefixes_are_shared(llama, overlap):
     system = random_prompt(rng, 50)
     sched = make_scheduler(
         llama, chunked_prefill_size=CHUNK, max_prefill_tokens=48, disable_overlap=not overlap,
-        max_total_tokens=6 * 256, context_length=256, max_running_requests=8,
+        max_total_tokens=6 * 256, context_length=256, max_running_requests=4,
     )  # fmt: skip
     kept: dict[str, tuple[list[int], int]] = {}
     live: list[str] = []
@@ -189,27 +191,32 @@ def test_simultaneous_arrivals_compute_a_shared_prompt_once(llama):
 
 @pytest.mark.parametrize("budget", [480, 5000, 65536, 10**6])
 @pytest.mark.parametrize("running", [1, 8, 64])
-def test_budget_split_stays_within_the_budget(budget, running):
+def test_rows_come_first_and_everything_stays_within_the_budget(budget, running):
     from engine.config import EngineConfig
-    from scheduler_proc.kv_budget import plan_kv
+    from scheduler_proc.kv_budget import STORE_SHARE, plan_kv
 
     base = dict(max_total_tokens=budget, context_length=160, max_running_requests=running)
     off = plan_kv(EngineConfig(**base, disable_radix_cache=True), 1024, None)
     on = plan_kv(EngineConfig(**base), 1024, None)
-    assert off.store_tokens == 0 and off.rows * off.row_len <= budget
-    assert on.rows * on.row_len + on.store_tokens <= budget
-    assert 1 <= on.rows <= running and on.store_tokens <= on.rows * on.row_len
-    if on.rows < running:  # NOTE: budget-bound rows leave the store at least a quarter
-        assert on.store_tokens >= budget // 4 - on.row_len
+    for plan in (off, on):
+        assert plan.tokens <= budget  # rows, the scratch row and the store
+        # NOTE: rows for --max-running-requests whenever the budget allows; the store never
+        # takes one away.
+        assert plan.rows == max(1, min(running, budget // plan.row_len - 1))
+    assert off.store_tokens == 0 and on.rows == off.rows
+    assert on.store_tokens <= on.rows * on.row_len * STORE_SHARE
+    if on.rows == running and budget >= on.tokens + on.row_len:
+        assert on.store_tokens == int(on.rows * on.row_len * STORE_SHARE)
 
 
 def test_offline_results_report_cached_tokens(tiny_weights_dir):
     from engine.offline import OfflineEngine
 
     prompt = random_prompt(random.Random(6), 40)
-    with OfflineEngine(str(tiny_weights_dir), max_total_tokens=4 * 256, context_length=256) as eng:
-        first = eng.generate([prompt], dict(max_tokens=3, ignore_eos=True))[0]
-        again = eng.generate([prompt], dict(max_tokens=3, ignore_eos=True))[0]
+    config = dict(max_total_tokens=4 * 256, context_length=256, max_running_requests=2)
+    with OfflineEngine(str(tiny_weights_dir), **config) as eng:
+        first = eng.generate([prompt], dict(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+        again = eng.generate([prompt], dict(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
         stats = eng.stats()
     assert first.cached_tokens == 0 and again.cached_tokens == len(prompt) - 1
     assert again.token_ids == first.token_ids

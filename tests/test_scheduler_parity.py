@@ -6,6 +6,7 @@ import random
 
 import pytest
 from scheduler_util import (
+    count_forwards,
     drive,
     greedy,
     make_scheduler,
@@ -45,6 +46,7 @@ def _check_parity(model, overlap: bool) -> None:
     sched = make_scheduler(
         model, chunked_prefill_size=16, max_prefill_tokens=64, disable_overlap=not overlap
     )
+    forwards = count_forwards(sched)
     reqs = _workload(seed=1)
     arrivals: dict = {}
     for rid, prompt, max_tokens, at in reqs:
@@ -58,8 +60,9 @@ def _check_parity(model, overlap: bool) -> None:
     assert stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0
     if overlap:
         assert stats["steps_chained"] > 0
-    # NOTE: both routes of a prompt's last token were taken: inside the decode forward, alone.
-    assert stats["last_tokens_joined"] > 0 and stats["last_tokens_alone"] > 0
+    # NOTE: one model forward per step, prefill steps and decode steps alike.
+    assert forwards == [1] * stats["steps_launched"]
+    assert stats["steps_prefill"] > 0 and stats["steps_decode"] > 0
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

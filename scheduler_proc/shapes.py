@@ -1,0 +1,59 @@
+"""The few array shapes a step may have: row counts, query widths and KV lengths in buckets.
+
+A new shape costs compilation on a GPU (MLX CUDA builds cuDNN attention graphs and CUDA graphs per
+shape, ~50-100 ms each, measured; Metal compiles kernels too), so every forward's shape is rounded up
+to a ladder, and the scheduler runs each rung once before READY (`Scheduler.warm_up`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+# NOTE: fine steps where batches usually are, coarse above; a padded row costs one row of work.
+_ROW_RUNGS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_MIN_KV = 32
+_MIN_WIDTH = 16
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return [*out, hi]
+
+
+@dataclass(frozen=True)
+class Ladders:
+    rows: tuple[int, ...]  # forward rows (batch dimension)
+    widths: tuple[int, ...]  # prefill query widths T
+    kv: tuple[int, ...]  # keys read per row
+
+    @classmethod
+    def for_pool(cls, rows: int, row_len: int, chunk: int) -> Ladders:
+        """Rungs up to what the pool can hold: `rows` request rows (+1 scratch), `row_len`."""
+        max_rows = rows + 1
+        row_rungs = tuple(r for r in _ROW_RUNGS if r < max_rows) + (max_rows,)
+        widest = min(chunk, row_len)
+        return cls(
+            rows=row_rungs,
+            widths=tuple(_powers(min(_MIN_WIDTH, widest), widest)),
+            kv=tuple(_powers(min(_MIN_KV, row_len), row_len)),
+        )
+
+    def pad_rows(self, n: int) -> int:
+        return _ceil(self.rows, n)
+
+    def pad_width(self, n: int) -> int:
+        return _ceil(self.widths, n)
+
+    def pad_kv(self, n: int) -> int:
+        return _ceil(self.kv, n)
+
+
+def _ceil(rungs: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(rungs, n)
+    if i == len(rungs):
+        raise ValueError(f"{n} is beyond the largest shape bucket {rungs[-1]}")
+    return rungs[i]
