@@ -8,11 +8,18 @@ from typing import Any
 
 import msgspec
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
-from scheduler_proc.output import StepOutput, TokenLogprob
-from scheduler_proc.scheduler import Scheduler
+from engine.cpu_backend import setup_cpu_backend
+
+# NOTE: before this module imports mlx.core (through the scheduler): on Linux CPU the optimized
+# BLAS only takes effect when loaded first, so `from engine.offline import OfflineEngine` as the
+# first import gets the same fast path as a launched engine (a warning says when it is too late).
+setup_cpu_backend(None, log_line=False)
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.errors import InvalidRequest  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from scheduler_proc.output import StepOutput, TokenLogprob  # noqa: E402
+from scheduler_proc.scheduler import Scheduler  # noqa: E402
 
 
 @dataclass
@@ -37,6 +44,7 @@ class GenerationResult:
 class OfflineEngine:
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
+        setup_cpu_backend(self.config)  # NOTE: logs which BLAS MLX calls, once per process
         net, eos = load_for_scheduler(self.config.model, self.config)
         self.scheduler = Scheduler(self.config, net, eos)
         self._ids = itertools.count()

@@ -259,3 +259,28 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
     transport.close()
     dequantized = any("dequantized to float32" in r.getMessage() for r in caplog.records)
     assert dequantized == (deq == "on")
+
+
+OFFLINE_AS_README = """
+import json, sys
+from engine.offline import OfflineEngine
+from engine.cpu_backend import backend_info
+from engine.cpu_dequantize import is_quantized
+eng = OfflineEngine(sys.argv[1], max_total_tokens=4096, context_length=256)
+r = eng.generate([[1, 2, 3]], dict(max_tokens=2, temperature=0.0))[0]
+print(json.dumps(dict(optimized=backend_info().optimized, completion=r.completion_tokens,
+                      quantized=is_quantized(eng.scheduler.runner.model))))
+eng.close()
+"""
+
+
+@pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
+def test_offline_engine_as_the_readme_writes_it_gets_the_fast_cpu_path(q4_dir: Path) -> None:
+    """`from engine.offline import OfflineEngine` first: optimized BLAS and float32 weights."""
+    argv = [sys.executable, "-c", OFFLINE_AS_README, str(q4_dir)]
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == dict(optimized=True, completion=2, quantized=False)
