@@ -37,7 +37,33 @@ TINY_LLAMA: dict[str, Any] = {
 
 TINY_QWEN3: dict[str, Any] = {**TINY_LLAMA, "model_type": "qwen3"}
 
+# NOTE: the shape of Llama-3.2-1B, for GPU benchmarks with random bf16 weights (no download).
+LLAMA_3_2_1B: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+RANDOM_SHAPES = {"llama-1b": LLAMA_3_2_1B}
+
+
+def random_model_dir(name: str) -> Path:
+    """A random-weight bf16 model of a named shape in a temporary directory."""
+    import tempfile
+
+    return make_random_model(Path(tempfile.mkdtemp()), RANDOM_SHAPES[name], dtype=mx.bfloat16)
 
 
 def make_random_model(

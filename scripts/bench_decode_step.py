@@ -1,0 +1,108 @@
+"""One decode step of B rows: the engine's scheduler vs mlx-lm's plain KVCache, same model, one run.
+
+Both sides hold B sequences of `--context` cached tokens and decode greedily; a step is the forward,
+the argmax and the host copy of the B tokens. mlx-lm's side is its fastest case: every row the same
+length, so one int offset and no mask. The engine runs its sync loop (no overlap, so the figure is
+the step's cost, not hidden behind the next one), and a ragged variant where row lengths differ.
+
+  .venv/bin/python scripts/bench_decode_step.py --batch 64 --context 128          # CPU, default model
+  python3 scripts/bench_decode_step.py --random llama-1b --batch 64 --context 600   # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--random", choices=["llama-1b"], help="a random-weight bf16 model instead")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32)
+    return p.parse_args()
+
+
+def load(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    from engine.offline import load_for_scheduler
+    from engine.random_model import random_model_dir
+
+    path = str(random_model_dir(args.random)) if args.random else args.model
+    return load_for_scheduler(path, EngineConfig())
+
+
+def mlx_lm_steps(model, prompts: list[list[int]], steps: int) -> list[float]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(prompts), cache=cache)
+    tokens = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(tokens)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        logits = model(tokens[:, None], cache=cache)
+        tokens = mx.argmax(logits[:, -1, :], axis=-1)
+        tokens.tolist()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def engine_steps(model, eos, prompts: list[list[int]], steps: int) -> tuple[list[float], int]:
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+    from scheduler_proc.scheduler import Scheduler
+
+    config = EngineConfig(max_running_requests=len(prompts), disable_overlap=True)
+    sched = Scheduler(config, model, eos)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.submit(str(i), p, params)
+    while sched.stats()["decoding"] < len(prompts):
+        sched.step()
+    sched.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        sched.step()
+        times.append(time.perf_counter() - t)
+    shapes = int(sched.stats()["shapes_seen"])
+    sched.shutdown()
+    return times, shapes
+
+
+def main() -> None:
+    args = parse_args()
+    from engine.cpu_backend import setup_cpu_backend
+
+    info = setup_cpu_backend(None, log_line=False)
+    model, eos = load(args)
+    import mlx.core as mx
+
+    vocab = model(mx.array([[0]])).shape[-1]
+    rng = random.Random(0)
+    same = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(args.batch)]
+    ragged = [p[: rng.randint(args.context // 2, args.context)] for p in same]
+    print(f"{info.describe()} | {mx.default_device()} | B={args.batch} context={args.context}")
+    mlx_lm_steps(model, same[:2], 2)  # warm kernels for both
+    ref = statistics.median(mlx_lm_steps(model, same, args.steps))
+    ours, shapes = engine_steps(model, eos, same, args.steps)
+    ours_ragged, _ = engine_steps(model, eos, ragged, args.steps)
+    ours, ours_ragged = statistics.median(ours), statistics.median(ours_ragged)
+    print(f"decode step ms: mlx-lm KVCache {ref * 1e3:.2f} | engine {ours * 1e3:.2f} "
+          f"(ratio {ours / ref:.2f}) | engine, ragged rows {ours_ragged * 1e3:.2f} "
+          f"| engine shapes seen {shapes}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
