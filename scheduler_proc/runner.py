@@ -33,6 +33,7 @@ class Runner:
     def __init__(self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders) -> None:
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
         self.shapes_seen: set[tuple[int, ...]] = set()
+        self.shapes_warmed = 0  # of those, run by the warm-up
 
     def launch(self, batch: Batch, decode_inputs: mx.array | None) -> None:
         """Build the batch's one forward and queue it; nothing here blocks."""
@@ -105,7 +106,7 @@ class Runner:
         for r in batch.rows:
             lengths[r.row] = 1
         plan = StepRows(list(range(len(starts))), starts, lengths, width=1)
-        return self.pool.ragged_view(plan, self.ladders.pad_kv(max(starts) + 1))
+        return self.pool.ragged_view(plan, self.ladders.pad_decode_kv(max(starts) + 1))
 
     def _forward(self, tokens: mx.array, cache: list[LayerCache]) -> mx.array:
         view = self.pool.view
@@ -129,6 +130,7 @@ class Runner:
             state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
             mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
             done += 1
+        self.shapes_warmed = len(self.shapes_seen)
         return done, time.monotonic() - t0
 
     def _warm_shapes(self, budget_tokens: int):

@@ -131,6 +131,8 @@ class Scheduler:
             "kv_tokens_free": total - used,
             "kv_bytes": self.pool.nbytes,
             "shapes_seen": len(self.runner.shapes_seen),
+            "shapes_warmed": self.runner.shapes_warmed,
+            "warm_up_s": round(self.warm_up_s, 3),
             **self.prefix.stats(),
         }
 

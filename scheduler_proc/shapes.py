@@ -14,6 +14,11 @@ from dataclasses import dataclass
 _ROW_RUNGS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _MIN_KV = 32
 _MIN_WIDTH = 16
+# NOTE: a decode step's keys are rounded up to a multiple of this, not to a power of two: its
+# attention reads every key it is given (B=64 x 600 keys on an H200: 10.9 ms read as 601 keys,
+# 13.8 ms as 1024), and a new decode length compiles nothing (no cuDNN graph: one query row
+# runs MLX's own kernels, whose size is a launch argument).
+DECODE_KV_STEP = 32
 
 
 def _powers(lo: int, hi: int) -> list[int]:
@@ -28,7 +33,8 @@ def _powers(lo: int, hi: int) -> list[int]:
 class Ladders:
     rows: tuple[int, ...]  # forward rows (batch dimension)
     widths: tuple[int, ...]  # prefill query widths T
-    kv: tuple[int, ...]  # keys read per row
+    kv: tuple[int, ...]  # keys read per row by a prefill step (warmed with every decode too)
+    row_len: int
 
     @classmethod
     def for_pool(cls, rows: int, row_len: int, chunk: int) -> Ladders:
@@ -40,6 +46,7 @@ class Ladders:
             rows=row_rungs,
             widths=tuple(_powers(min(_MIN_WIDTH, widest), widest)),
             kv=tuple(_powers(min(_MIN_KV, row_len), row_len)),
+            row_len=row_len,
         )
 
     def pad_rows(self, n: int) -> int:
@@ -50,6 +57,11 @@ class Ladders:
 
     def pad_kv(self, n: int) -> int:
         return _ceil(self.kv, n)
+
+    def pad_decode_kv(self, n: int) -> int:
+        if n > self.row_len:
+            raise ValueError(f"{n} keys is beyond the row length {self.row_len}")
+        return min(-(-n // DECODE_KV_STEP) * DECODE_KV_STEP, self.row_len)
 
 
 def _ceil(rungs: tuple[int, ...], n: int) -> int:

@@ -116,7 +116,8 @@ def run_ours(model, eos, wl: Workload, concurrency: int, staggered: bool, sched=
             total += len(out.token_ids)
             first.setdefault(out.rid, time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    shapes = int(sched.stats()["shapes_seen"])
+    stats = sched.stats()
+    shapes = int(stats["shapes_seen"] - stats["shapes_warmed"])
     if own:
         sched.shutdown()
     ttft = [first[str(i)] - (wl.arrivals[i] if staggered else 0.0) for i in range(n)]
@@ -197,16 +198,18 @@ def closed_loop(model, eos, wl: Workload, concurrencies: list[int], again: Workl
     lengths (the same prompts again would be prefix-cache hits, which BatchGenerator lacks)."""
     print("\n== closed loop: all requests queued at t=0 (generated tok/s; TTFT p50 s) ==")
     print(f"{'conc':>5} {'pass':>5} {'ours':>9} {'BatchGen':>9} {'ratio':>6} "
-          f"{'ttft50 ours':>12} {'ttft50 BG':>10} {'shapes':>7}")  # fmt: skip
+          f"{'ttft50 ours':>12} {'ttft50 BG':>10} {'new shapes':>10}")  # fmt: skip
     for c in concurrencies:
         sched, gen = new_scheduler(model, eos, c), new_batch_generator(model, wl, c)
+        stats = sched.stats()
+        print(f"      engine warm-up {stats['warm_up_s']:.1f} s, {stats['shapes_warmed']} shapes")
         for label, w in (("cold", wl), ("warm", again)):
             ours = run_ours(model, eos, w, c, staggered=False, sched=sched)
             bg = run_batch_generator(model, w, c, staggered=False, gen=gen)
             print(
                 f"{c:>5} {label:>5} {ours.tok_s:>9.1f} {bg.tok_s:>9.1f} "
                 f"{ours.tok_s / bg.tok_s:>6.2f} {ours.ttft_p50():>12.2f} {bg.ttft_p50():>10.2f}"
-                f" {ours.shapes:>7}",
+                f" {ours.shapes:>10}",
                 flush=True,
             )
         sched.shutdown()

@@ -1,0 +1,107 @@
+"""Where a batched decode step's time goes: the engine's pieces timed one by one against mlx-lm.
+
+  python3 scripts/profile_decode.py --random llama-1b --batch 64 --context 600   # a GPU
+
+Each line is the median over `--steps` of one piece, synchronised (`.tolist()` / `mx.eval`):
+mlx-lm's plain KVCache forward, the engine's forward on its pool (the KV length bucketed as the
+scheduler does, and exact), without a mask, the sampler's state built from host lists, and the
+sampler itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn, steps: int) -> float:
+    fn()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--random", choices=["llama-1b"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=600)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    from engine.cpu_backend import setup_cpu_backend
+
+    setup_cpu_backend(None, log_line=False)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.config import EngineConfig
+    from engine.offline import load_for_scheduler
+    from engine.random_model import random_model_dir
+    from engine.sampling_params import SamplingParams
+    from scheduler_proc.kv_cache import KVPool, StepRows, probe_model
+    from scheduler_proc.sampling import RowParams, build_state, sample
+    from scheduler_proc.shapes import Ladders
+
+    path = str(random_model_dir(args.random)) if args.random else args.model
+    model, _ = load_for_scheduler(path, EngineConfig())
+    b, n = args.batch, args.context
+    shapes, vocab = probe_model(model)
+    tokens = mx.zeros((b, 1), mx.int32)
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((b, n), mx.int32), cache=cache))
+
+    def ref():
+        logits = model(tokens, cache=cache)
+        mx.argmax(logits[:, -1, :], axis=-1).tolist()
+        for c in cache:  # NOTE: stay at n tokens, so every call costs the same
+            c.offset -= 1
+
+    pool = KVPool(shapes, b, n + 512)
+    lad = Ladders.for_pool(b, n + 512, 512)
+    plan = StepRows(list(range(b)), [n] * b, [1] * b, width=1)
+
+    def ours(kv_len: int, mask: str = "bool"):
+        def run():
+            layers = pool.ragged_view(plan, kv_len)
+            if mask == "none":
+                pool.view.mask = lambda *a: None
+            elif mask == "additive":
+                m = pool.view.mask(1, True, None)
+                add = mx.where(m, 0.0, -mx.inf).astype(mx.bfloat16)
+                pool.view.mask = lambda *a: add
+            logits = model(tokens, cache=layers)
+            mx.argmax(logits[:, -1, :], axis=-1).tolist()
+
+        return run
+
+    rows = [RowParams(SamplingParams(temperature=0.0), i, 3, [1, 2], [3]) for i in range(b)]
+    state = build_state(rows, vocab)
+    logits = mx.random.normal((b, vocab)).astype(mx.bfloat16)
+    mx.eval(logits)
+    print(f"{mx.default_device()} B={b} context={n}")
+    print(f"mlx-lm KVCache forward+argmax          {timed(ref, args.steps):8.2f} ms")
+    bucket = lad.pad_kv(n + 1)
+    print(f"engine forward, kv {bucket} (bucket)    {timed(ours(bucket), args.steps):8.2f} ms")
+    print(f"engine forward, kv {n + 1} (exact)      {timed(ours(n + 1), args.steps):8.2f} ms")
+    print(f"engine forward, exact, no mask        {timed(ours(n + 1, 'none'), args.steps):8.2f} ms")
+    print(
+        f"engine forward, exact, additive mask  {timed(ours(n + 1, 'additive'), args.steps):8.2f} ms"
+    )
+    print(f"engine forward, kv 640, bool mask     {timed(ours(640), args.steps):8.2f} ms")
+    print(f"build_state from host lists           {timed(lambda: mx.eval(build_state(rows, vocab).seed), args.steps):8.2f} ms")  # fmt: skip
+    print(f"sample (greedy)                       {timed(lambda: sample(logits, state).tokens.tolist(), args.steps):8.2f} ms")  # fmt: skip
+    print(f"10 small host arrays                  {timed(lambda: mx.eval([mx.array(list(range(b))) for _ in range(10)]), args.steps):8.2f} ms")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
