@@ -114,15 +114,17 @@ class Runner:
         return self.model(tokens, cache=cache)
 
     # -- warm-up -------------------------------------------------------------------------------
-    def warm_up(self, budget_tokens: int, deadline_s: float) -> tuple[int, float]:
+    def warm_up(
+        self, budget_tokens: int, deadline_s: float, minimal: bool = False
+    ) -> tuple[int, float]:
         """Run every decode and first-chunk prefill shape once, writing only the scratch row.
 
-        Returns (forwards run, seconds). Stops at `deadline_s`; later shapes then compile when
-        first seen.
+        `minimal`: one small shape of each kind. Returns (forwards run, seconds). Stops at
+        `deadline_s`; later shapes then compile when first seen.
         """
         t0 = time.monotonic()
         done = 0
-        for tokens, plan, kv_len in self._warm_shapes(budget_tokens):
+        for tokens, plan, kv_len in self._warm_shapes(budget_tokens, minimal):
             if time.monotonic() - t0 > deadline_s:
                 log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
                 break
@@ -133,20 +135,30 @@ class Runner:
         self.shapes_warmed = len(self.shapes_seen)
         return done, time.monotonic() - t0
 
-    def _warm_shapes(self, budget_tokens: int):
-        lad, scratch = self.ladders, self.pool.scratch
+    def _warm_shapes(self, budget_tokens: int, minimal: bool):
+        lad = self.ladders
+        if minimal:
+            yield self._warm_decode(2, lad.kv[0])
+            yield self._warm_prefill(1, lad.widths[0])
+            return
         for n in lad.rows[1:]:  # NOTE: one row decodes on mlx-lm's own path, no shape to warm
             for kv_len in lad.kv:
-                # NOTE: rows [0, n) as a decode step reads them; no real token, so every
-                # write goes to the scratch row and no row in use changes.
-                plan = StepRows(list(range(n)), [0] * n, [0] * n, width=1)
-                yield mx.zeros((n, 1), mx.int32), plan, kv_len
+                yield self._warm_decode(n, kv_len)
         for width in lad.widths:
             for n in lad.rows:
                 if n > 1 and n * width > budget_tokens:
                     break
-                plan = StepRows([scratch] * n, [0] * n, [0] * n, width=width)
-                yield mx.zeros((n, width), mx.int32), plan, lad.pad_kv(width)
+                yield self._warm_prefill(n, width)
+
+    def _warm_decode(self, n: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
+        # NOTE: rows [0, n) as a decode step reads them; no real token, so every write goes to
+        # the scratch row and no row in use changes.
+        plan = StepRows(list(range(n)), [0] * n, [0] * n, width=1)
+        return mx.zeros((n, 1), mx.int32), plan, kv_len
+
+    def _warm_prefill(self, n: int, width: int) -> tuple[mx.array, StepRows, int]:
+        plan = StepRows([self.pool.scratch] * n, [0] * n, [0] * n, width=width)
+        return mx.zeros((n, width), mx.int32), plan, self.ladders.pad_kv(width)
 
 
 def _outputs(batch: Batch) -> list[mx.array]:

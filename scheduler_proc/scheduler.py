@@ -64,8 +64,10 @@ class Scheduler:
         cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
         self.prefix = PrefixReuse(cache, self.pool)
         self.slots = SlotTable(self.pool)
+        # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
+        on_cpu = mx.default_device() == mx.cpu
         self.ladders = Ladders.for_pool(
-            self.pool.rows, self.pool.row_len, config.chunked_prefill_size
+            self.pool.rows, self.pool.row_len, config.chunked_prefill_size, exact=on_cpu
         )
         self.runner = Runner(model, self.pool, self.vocab, self.ladders)
         self.eos = frozenset(eos_token_ids)
@@ -147,11 +149,18 @@ class Scheduler:
         mx.synchronize()
 
     def _warm_up(self) -> float:
-        """Run every bucketed step shape once (on a GPU by default); returns the seconds taken."""
+        """Run the step shapes once before serving; returns the seconds taken.
+
+        NOTE: on a GPU every bucketed shape (each compiles); on the CPU ("auto") one small
+        forward of each kind, which compiles the model's `mx.compile`d functions (the CPU
+        backend builds them with the C++ compiler on first use: ~2 s the first users paid).
+        """
         mode = self.config.warmup
-        if mode == "off" or (mode == "auto" and mx.default_device() == mx.cpu):
+        if mode == "off":
             return 0.0
-        n, seconds = self.runner.warm_up(self.config.max_prefill_tokens, WARM_UP_DEADLINE_S)
+        minimal = mode == "auto" and self.ladders.exact
+        budget = self.config.max_prefill_tokens
+        n, seconds = self.runner.warm_up(budget, WARM_UP_DEADLINE_S, minimal=minimal)
         log.info("warm-up: %d step shapes in %.1f s", n, seconds)
         return seconds
 

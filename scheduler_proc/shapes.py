@@ -2,7 +2,8 @@
 
 A new shape costs compilation on a GPU (MLX CUDA builds cuDNN attention graphs and CUDA graphs per
 shape, ~50-100 ms each, measured; Metal compiles kernels too), so every forward's shape is rounded up
-to a ladder, and the scheduler runs each rung once before READY (`Scheduler.warm_up`).
+to a ladder, and the scheduler runs each rung once before READY (`Scheduler._warm_up`).
+On the CPU a shape costs nothing, padding costs work, so shapes are exact (`exact=True`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class Ladders:
     widths: tuple[int, ...]  # prefill query widths T
     kv: tuple[int, ...]  # keys read per row by a prefill step (warmed with every decode too)
     row_len: int
+    exact: bool = False  # no padding: every pad_* returns its argument
 
     @classmethod
-    def for_pool(cls, rows: int, row_len: int, chunk: int) -> Ladders:
+    def for_pool(cls, rows: int, row_len: int, chunk: int, exact: bool = False) -> Ladders:
         """Rungs up to what the pool can hold: `rows` request rows (+1 scratch), `row_len`."""
         max_rows = rows + 1
         row_rungs = tuple(r for r in _ROW_RUNGS if r < max_rows) + (max_rows,)
@@ -47,21 +49,28 @@ class Ladders:
             widths=tuple(_powers(min(_MIN_WIDTH, widest), widest)),
             kv=tuple(_powers(min(_MIN_KV, row_len), row_len)),
             row_len=row_len,
+            exact=exact,
         )
 
     def pad_rows(self, n: int) -> int:
-        return _ceil(self.rows, n)
+        return self._ceil(self.rows, n)
 
     def pad_width(self, n: int) -> int:
-        return _ceil(self.widths, n)
+        return self._ceil(self.widths, n)
 
     def pad_kv(self, n: int) -> int:
-        return _ceil(self.kv, n)
+        return self._ceil(self.kv, n)
 
     def pad_decode_kv(self, n: int) -> int:
         if n > self.row_len:
             raise ValueError(f"{n} keys is beyond the row length {self.row_len}")
+        if self.exact:
+            return n
         return min(-(-n // DECODE_KV_STEP) * DECODE_KV_STEP, self.row_len)
+
+    def _ceil(self, rungs: tuple[int, ...], n: int) -> int:
+        up = _ceil(rungs, n)  # NOTE: checks the bound in exact mode too
+        return n if self.exact else up
 
 
 def _ceil(rungs: tuple[int, ...], n: int) -> int:
