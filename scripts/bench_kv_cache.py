@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache, KVCache  # noqa: E402
 
-from scheduler_proc.kv_cache import KVPool, LayerShape  # noqa: E402
+from scheduler_proc.kv_cache import KVPool, LayerShape, StepRows  # noqa: E402
 
 LAYERS, HEADS, DIM = 30, 3, 64
 
@@ -83,7 +83,7 @@ def bench_slots(b: int, length: int, dtype) -> tuple[float, float, float]:
 
     def admit():
         row = pool.alloc()
-        pool.prefill_view(row, 0)
+        pool.row_view(row, 0)
         for i in range(LAYERS):
             pool.update(i, k, k)
         mx.eval(pool.state())
@@ -99,7 +99,7 @@ def bench_slots(b: int, length: int, dtype) -> tuple[float, float, float]:
     q = mx.random.normal((b, HEADS, 1, DIM)).astype(dtype)
 
     def decode():
-        pool.decode_view([length - 1] * b)
+        pool.ragged_view(StepRows(list(range(b)), [length - 1] * b, [1] * b, 1), length)
         outs = [_attend(q, *pool.update(i, step_k, step_k)) for i in range(LAYERS)]
         mx.eval(outs, pool.state())
 

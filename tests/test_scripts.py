@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,3 +42,24 @@ def test_a_failed_venv_creation_is_not_left_behind(tmp_path):
     )
     assert done.returncode != 0
     assert not (tmp_path / ".venv").exists()
+
+
+SCRIPT_RUNS = {
+    "bench_kv_cache.py": ["--batch", "2", "--length", "32"],
+    "bench_decode_step.py": ["--batch", "2", "--context", "8", "--steps", "2"],
+    "profile_decode.py": ["--batch", "2", "--context", "8", "--steps", "1"],
+    "bench_scheduler.py": [
+        *("--num-requests", "2", "--max-tokens", "2", "--min-tokens", "1", "--min-prompt", "2"),
+        *("--max-prompt", "8", "--concurrency", "2", "--single-tokens", "3", "--skip", "stagger"),
+    ],
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPT_RUNS))
+def test_benchmark_scripts_run_on_a_tiny_model(script, tiny_weights_dir):
+    """The benchmarks use the scheduler's internals; a tiny run keeps them from rotting."""
+    argv = [sys.executable, str(ROOT / "scripts" / script), *SCRIPT_RUNS[script]]
+    if script != "bench_kv_cache.py":
+        argv += ["--model", str(tiny_weights_dir)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
