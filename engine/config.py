@@ -27,8 +27,12 @@ class EngineConfig:
     max_running_requests: int = _opt(
         32, "Most requests running at once (each holds a KV row of --context-length tokens)"
     )
-    chunked_prefill_size: int = _opt(512, "Prompt tokens per prefill chunk")
-    max_prefill_tokens: int = _opt(2048, "Most prompt tokens processed in one step")
+    chunked_prefill_size: int = _opt(
+        0, "Prompt tokens per request per prefill step; 0: 2048 on a GPU, 512 on the CPU"
+    )
+    max_prefill_tokens: int = _opt(
+        0, "Most (padded) prompt tokens in one prefill step; 0: 8192 on a GPU, 2048 on the CPU"
+    )
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
     context_length: int = _opt(
         0, "Most tokens (prompt + generated) per request; 0: the model's limit, at most 4096"
@@ -52,15 +56,12 @@ class EngineConfig:
 
     def validate(self) -> EngineConfig:
         # NOTE: max_queued_requests 0 would refuse every request as Overloaded.
-        positive = (
-            "max_running_requests",
-            "chunked_prefill_size",
-            "max_prefill_tokens",
-            "max_queued_requests",
-        )
-        for name in positive:
+        for name in ("max_running_requests", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("chunked_prefill_size", "max_prefill_tokens"):  # NOTE: 0 is "auto"
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.context_length < 0:
             raise ValueError("context_length must be >= 0")
         if self.max_total_tokens < 0:

@@ -66,9 +66,8 @@ class Scheduler:
         self.slots = SlotTable(self.pool)
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
-        self.ladders = Ladders.for_pool(
-            self.pool.rows, self.pool.row_len, config.chunked_prefill_size, exact=on_cpu
-        )
+        self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
+        self.ladders = Ladders.for_pool(self.pool.rows, self.pool.row_len, self.chunk, exact=on_cpu)
         self.runner = Runner(model, self.pool, self.vocab, self.ladders)
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
@@ -135,6 +134,8 @@ class Scheduler:
             "shapes_seen": len(self.runner.shapes_seen),
             "shapes_warmed": self.runner.shapes_warmed,
             "warm_up_s": round(self.warm_up_s, 3),
+            "chunked_prefill_size": self.chunk,
+            "max_prefill_tokens": self.prefill_budget,
             **self.prefix.stats(),
         }
 
@@ -159,7 +160,7 @@ class Scheduler:
         if mode == "off":
             return 0.0
         minimal = mode == "auto" and self.ladders.exact
-        budget = self.config.max_prefill_tokens
+        budget = self.prefill_budget
         n, seconds = self.runner.warm_up(budget, WARM_UP_DEADLINE_S, minimal=minimal)
         log.info("warm-up: %d step shapes in %.1f s", n, seconds)
         return seconds
@@ -274,7 +275,7 @@ class Scheduler:
         todo = [r for r in self.slots.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
-        budget = self.config.max_prefill_tokens
+        budget = self.prefill_budget
         best: tuple[int, int] = (0, 0)  # (tokens, width)
         for width in self.ladders.widths:
             fit = todo[: max(1, budget // width)]
@@ -378,6 +379,18 @@ class Scheduler:
             raise InvalidRequest("input_ids", f"{len(input_ids)} tokens exceed the limit {limit}")
         if min(input_ids) < 0 or max(input_ids) >= self.vocab:
             raise InvalidRequest("input_ids", f"token ids must be in [0, {self.vocab})")
+
+
+def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:
+    """(tokens per request, padded tokens per prefill step); 0 in the config means by backend.
+
+    NOTE: on an H200 (Llama-3.2-1B shape, 128 requests of 32-1024 prompt tokens) the prefill
+    steps took 2.2 s at 512/2048 and 0.8 s at 2048/8192; on the CPU a 2048-token step already
+    holds the running streams for seconds.
+    """
+    chunk = config.chunked_prefill_size or (512 if on_cpu else 2048)
+    budget = config.max_prefill_tokens or (2048 if on_cpu else 8192)
+    return min(chunk, budget), budget
 
 
 def _body_left(req: Req) -> int:

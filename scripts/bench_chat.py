@@ -165,7 +165,9 @@ def main() -> None:
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--skip-peer", action="store_true")
+    p.add_argument(
+        "--peers", default="shipped,same-env", help="comma list of: shipped, same-env (or none)"
+    )
     args = p.parse_args()
     from engine.config import EngineConfig
     from engine.cpu_backend import child_env, setup_cpu_backend
@@ -178,15 +180,15 @@ def main() -> None:
           f"requests, max_tokens {args.max_tokens}", flush=True)  # fmt: skip
     sides = [run_engine(args)]
     print(sides[0].line(), flush=True)
-    if not args.skip_peer:
-        plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    peers = set(args.peers.split(","))
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if "same-env" in peers and info.optimized and sys.platform == "linux":
+        f32, env = _float32_copy(model_dir), child_env(info, dict(plain))
+        sides.append(run_server("mlx_lm.server, engine's BLAS+f32", f32, env, args))
+        print(sides[-1].line(), flush=True)
+    if "shipped" in peers:
         sides.append(run_server("mlx_lm.server as shipped", model_dir, plain, args))
         print(sides[-1].line(), flush=True)
-        if info.optimized and sys.platform == "linux":
-            f32 = _float32_copy(model_dir)
-            env = child_env(info, dict(plain))
-            sides.append(run_server("mlx_lm.server, engine's BLAS+f32", f32, env, args))
-            print(sides[-1].line(), flush=True)
     eng = sides[0]
     for peer in sides[1:]:
         tput = (eng.tokens / eng.seconds) / (peer.tokens / peer.seconds)
