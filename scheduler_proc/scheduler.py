@@ -216,6 +216,8 @@ class Scheduler:
         self._counters["steps_prefill" if batch.is_prefill else "steps_decode"] += 1
         batch.step_index = self._counters["steps_launched"]
         batch.launch_ts = time.monotonic()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d %s", batch.step_index, _describe(batch))
         if self.on_launch is not None:
             self.on_launch(batch)
 
@@ -391,6 +393,13 @@ def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:
     chunk = config.chunked_prefill_size or (512 if on_cpu else 2048)
     budget = config.max_prefill_tokens or (2048 if on_cpu else 8192)
     return min(chunk, budget), budget
+
+
+def _describe(batch: Batch) -> str:
+    if batch.is_prefill:
+        return f"prefill {len(batch.chunks)} chunks, {sum(c.end - c.start for c in batch.chunks)} tokens"
+    kind = "chained" if batch.chained else "fresh"
+    return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
 
 
 def _body_left(req: Req) -> int:
