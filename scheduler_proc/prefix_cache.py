@@ -4,7 +4,7 @@ A request's life with the cache:
 - admission: `acquire(tokens, limit)` finds and locks the longest cached prefix (at most `limit`
   tokens: the last prompt token is always computed, for its logits); `load` copies it into the
   request's row, so only the rest is prefilled;
-- prefill done: `publish` caches the prompt at once, so requests arriving while it decodes (or
+- prompt body done: `publish` caches it at once, so requests arriving while it runs (or
   waiting for it, see `shares_pending_prefix`) reuse it; the request's lock moves to its end;
 - finish, abort or retraction: `release` copies the part of the row not cached yet into the store
   (evicting least recently used unlocked spans to make room, caching less when it cannot), inserts

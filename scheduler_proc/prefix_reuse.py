@@ -11,8 +11,10 @@ from scheduler_proc.prefix_cache import PrefixCache, shares_pending_prefix
 from scheduler_proc.request import Req
 
 # NOTE: a waiting request whose prompt shares at least this many uncached tokens (and half of what
-# it would compute) with a prompt being prefilled waits for that prompt to be cached first.
-SHARED_PREFIX_MIN = 64
+# it would compute) with a prompt being prefilled waits for that prompt to be cached first; 16
+# takes in a chat template's system prompt (16 users arriving at once on the default model: the
+# first prefill step computes 41 tokens instead of 16 x 41).
+SHARED_PREFIX_MIN = 16
 
 
 class PrefixReuse:
@@ -37,10 +39,15 @@ class PrefixReuse:
         return shares_pending_prefix(req.input_ids, cached, pending, need)
 
     def publish(self, req: Req) -> None:
-        """Prefill done: cache the prompt now, so others reuse it while this one decodes."""
+        """Prompt body in the KV: cache it now, so others reuse it while this one runs.
+
+        NOTE: the body is every prompt token but the last (which runs in a decode step); a hit is
+        capped there anyway, so waiting requests sharing the prompt need nothing more.
+        """
         if self.cache is not None and req.hit is not None:
-            assert req.kv_len >= req.prompt_len, f"{req.rid}: prompt not all in the KV yet"
-            self.cache.publish(req.hit, req.input_ids, self.pool, req.row)
+            assert req.kv_len >= req.prompt_len - 1, f"{req.rid}: prompt body not in the KV yet"
+            body = req.input_ids[: req.prompt_len - 1]
+            self.cache.publish(req.hit, body, self.pool, req.row)
 
     def retire(self, req: Req) -> None:
         """Before the row goes: cache what it computed (not after an error), drop the lock."""

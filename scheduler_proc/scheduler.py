@@ -78,6 +78,7 @@ class Scheduler:
         self._touched: dict[str, Req] = {}
         self._to_free: dict[str, Req] = {}
         self._to_promote: list[Req] = []
+        self._to_publish: list[Req] = []  # prompt bodies written by the last prefill step
         self._current: Batch | None = None
         self._next: Batch | None = None
         self._closed = False
@@ -291,6 +292,8 @@ class Scheduler:
             chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
+            if _due(req):
+                self._to_publish.append(req)
         return chunks
 
     # -- results -----------------------------------------------------------------------------
@@ -329,10 +332,13 @@ class Scheduler:
     def _settle(self) -> None:
         """Row moves and releases; only called while no step is in flight."""
         assert self._current is None and self._next is None
+        for req in self._to_publish:
+            if not req.finished:
+                self.prefix.publish(req)
+        self._to_publish.clear()
         for req in self._to_promote:
             if not req.finished:
                 self.slots.promote(req)
-                self.prefix.publish(req)
         self._to_promote.clear()
         for req in self._to_free.values():
             if req.row is not None:

@@ -177,10 +177,15 @@ def test_aborts_while_prefixes_are_shared(llama, overlap):
     assert sched.stats()["prefix_cache_hit_tokens"] > 0
 
 
-def test_simultaneous_arrivals_compute_a_shared_prompt_once(llama):
-    """Users arriving together with one long system prompt: one prefills it, the rest reuse it."""
+@pytest.mark.parametrize("system_len", [150, 30], ids=["long-system", "chat-template"])
+def test_simultaneous_arrivals_compute_a_shared_prompt_once(llama, system_len):
+    """Users arriving together with one system prompt: one prefills it, the rest reuse it.
+
+    NOTE: 30 tokens is a chat template's own system prompt (SmolLM2's): the first wave of users
+    after start used to compute it once each.
+    """
     rng = random.Random(5)
-    system = random_prompt(rng, 150)
+    system = random_prompt(rng, system_len)
     users = [
         (f"u{i}", system + random_prompt(rng, rng.randint(3, 12)), greedy(4)) for i in range(6)
     ]
