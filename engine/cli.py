@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import typing
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any
 import click
 
 from engine.config import EngineConfig
+
+API_KEY_ENV = "MLX_ENGINE_API_KEY"
 
 
 def _config_options(func: Any) -> Any:
@@ -39,6 +42,8 @@ def main() -> None:
 @_config_options
 def launch(**options: Any) -> None:
     """Start the engine in the foreground (tokenizer, scheduler and detokenizer processes)."""
+    # NOTE: the environment keeps the key out of `ps` output; the flag wins when both are set.
+    options["api_key"] = options["api_key"] or os.environ.get(API_KEY_ENV) or None
     try:
         config = EngineConfig(**options).validate()
     except ValueError as e:
