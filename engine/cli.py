@@ -10,9 +10,8 @@ from typing import Any
 
 import click
 
+from engine.client import API_KEY_ENV
 from engine.config import EngineConfig
-
-API_KEY_ENV = "MLX_ENGINE_API_KEY"
 
 
 def _config_options(func: Any) -> Any:

@@ -75,6 +75,7 @@ def parse(kind: str, body: Any, rid: str, max_context: int, model: str) -> Reque
         _chat_input(req.generate, body)
     else:
         _completion_input(req.generate, body)
+        req.renamed["input_ids"] = "prompt"
     return req
 
 
