@@ -22,7 +22,7 @@ from engine.messages import to_tokenizer as tt
 from engine.transport import Sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import prepare
-from tokenizer_proc.core import FrontDoor, HealthProbe, Limits
+from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("engine.inprocess")
@@ -169,9 +169,7 @@ class InProcessTransport:
     def _handle(self, msg: tt.FromClient) -> None:
         """The same core as the tokenizer process (tokenizer_proc.core): same rules, counters."""
         if not self.core.allows(msg, self.welcomed):
-            self._reply(
-                tc.Failure(getattr(msg, "rid", ""), "unauthorized", "missing or wrong API key")
-            )
+            self._reply(unauthorized(msg))
         elif isinstance(msg, tt.Generate):
             self._generate(msg, OWNER)
         elif isinstance(msg, tt.AbortRequest):

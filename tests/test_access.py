@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_sdk_needs_the_key(engine, monkeypatch):
     with pytest.raises(Unauthorized):
         EngineClient(engine.address, timeout=10.0, api_key="wrong")
     with EngineClient(engine.address, timeout=10.0, api_key=KEY) as c:
-        assert c.generate(input_ids=[1, 2], max_tokens=2).usage.completion_tokens == 2
+        assert c.generate(input_ids=[1, 2], max_tokens=2, ignore_eos=True).finish_reason == "length"
         assert "requests_received" in c.stats()
     monkeypatch.setenv("MLX_ENGINE_API_KEY", KEY)
     with EngineClient(engine.address, timeout=10.0) as c:
@@ -147,3 +148,35 @@ def test_a_non_loopback_host_without_a_key_is_refused(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "MLX_ENGINE_API_KEY"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "--api-key" in r.stderr and "0.0.0.0" in r.stderr, r.stderr
+
+
+class _Kept:
+    """An in-process transport that a failed client's close() leaves running."""
+
+    def __init__(self, transport) -> None:
+        self._t = transport
+
+    def __getattr__(self, name: str):
+        return getattr(self._t, name)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_in_process_engine_applies_the_same_key_rule(tiny_model_dir, monkeypatch):
+    from engine.inprocess import InProcessTransport
+
+    monkeypatch.delenv("MLX_ENGINE_API_KEY", raising=False)
+    transport = InProcessTransport(str(tiny_model_dir), api_key=KEY, max_total_tokens=4096)
+    try:
+        with pytest.raises(Unauthorized):
+            EngineClient(transport=_Kept(transport), timeout=10.0)
+        c = EngineClient(transport=_Kept(transport), timeout=10.0, api_key=KEY)
+        assert c.generate(input_ids=[1, 2], max_tokens=2, ignore_eos=True).finish_reason == "length"
+        replies: queue.SimpleQueue[tc.ToClient] = queue.SimpleQueue()
+        transport.register("s-no-key", replies.put)
+        transport.send(tt.GetStats("s-no-key"))  # NOTE: a control message without the key
+        reply = replies.get(timeout=10)
+        assert isinstance(reply, tc.Failure) and reply.kind == "unauthorized"
+    finally:
+        transport.close()

@@ -36,6 +36,7 @@ log = logging.getLogger("tokenizer")
 
 HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class FrontDoor:
 
     def check_key(self, key: str | None) -> None:
         if not self.key_ok(key):
-            raise Unauthorized("missing or wrong API key")
+            raise Unauthorized("missing or wrong API key (Authorization: Bearer KEY)")
 
     def allows(self, msg: tt.FromClient, welcomed: bool) -> bool:
         """With a key, a client is served once its Hello carried it (`welcomed`), and its
@@ -86,7 +87,7 @@ class FrontDoor:
             text = f"client speaks protocol v{msg.version}, this engine v{PROTOCOL_VERSION}"
             return tc.Failure(msg.rid, "protocol", text + "; use a matching mlx-engine client")
         if not self.key_ok(msg.api_key):
-            return tc.Failure(msg.rid, "unauthorized", "missing or wrong API key")
+            return unauthorized(msg)
         return tc.Welcome(msg.rid, PROTOCOL_VERSION, self.limits.model, self.limits.max_context)
 
     # --- health ---------------------------------------------------------------------------------
@@ -226,6 +227,11 @@ class FrontDoor:
 
     def render_metrics(self, scheduler: dict[str, float]) -> bytes:
         return self.metrics.render(self.stats(scheduler))
+
+
+def unauthorized(msg: tt.FromClient) -> tc.Failure:
+    """The answer to a client message refused for want of the key."""
+    return tc.Failure(getattr(msg, "rid", ""), "unauthorized", NO_KEY)
 
 
 class HealthProbe:

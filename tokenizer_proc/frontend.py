@@ -29,7 +29,7 @@ from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, To
 from engine.protocol import Codec
 from engine.wire_errors import to_failure
 from tokenizer_proc import prepare
-from tokenizer_proc.core import FrontDoor, HealthProbe, Limits
+from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer")
@@ -177,8 +177,7 @@ class Frontend:
             return
         if not self.core.allows(msg, client in self._welcomed):
             if not isinstance(msg, tt.Goodbye):
-                rid = getattr(msg, "rid", "")
-                await self._send(client, tc.Failure(rid, "unauthorized", _NO_KEY))
+                await self._send(client, unauthorized(msg))
             return
         await self._on_client(client, msg)
 
@@ -331,9 +330,6 @@ class Frontend:
             return True
         except zmq.ZMQError:
             return False
-
-
-_NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
 
 
 async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:
