@@ -279,6 +279,9 @@ class Frontend:
                 await self._on_engine(msg)
             except Exception:
                 log.exception("error handling an engine message")
+            # NOTE: a zmq.asyncio recv with a message waiting never suspends, so a backlog would
+            # run to its end before any HTTP handler writes the chunks queued for it; yield.
+            await asyncio.sleep(0)
 
     async def _on_engine(self, msg: tt.FromEngine | None) -> None:
         if isinstance(msg, tt.Chunks):
