@@ -322,6 +322,8 @@ def test_shutting_down_is_a_503(engine, oai, sdk):
     with pytest.raises(openai.APIStatusError) as e:
         oai.completions.create(model="m", prompt="Hi", max_tokens=1)
     assert e.value.status_code == 503 and e.value.body["code"] == "shutting_down"
+    status, reply = call(engine, "GET", "/health")
+    assert status == 503 and reply == {"status": "unhealthy", "detail": "shutting down"}
     reader.join(30)
     assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
     assert engine.wait(timeout=20) == 0
