@@ -221,21 +221,25 @@ class Reply:
                 return self.fmt.whole("".join(text), chunk, logprobs, calls)
 
     async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
+        queue = entry.chunks
+        # NOTE: nothing is sent before the engine's first answer, so a refusal after admission
+        # (the scheduler's own queue bound, a drain that began) still gets its HTTP status.
+        first = _chunk(await queue.get())  # type: ignore[union-attr]
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
+        out = bytearray()
         if self.req.kind == "chat":
-            await resp.write(_event(self.fmt.stream_chunk(role=True)))
-        queue = entry.chunks
-        done = False
-        while not done:
+            out += _event(self.fmt.stream_chunk(role=True))
+        done = self._events(first, out)
+        while True:
             # NOTE: one write for everything that arrived meanwhile (one syscall per batch)
-            batch = [await queue.get()]  # type: ignore[union-attr]
-            while not queue.empty():  # type: ignore[union-attr]
-                batch.append(queue.get_nowait())  # type: ignore[union-attr]
-            out = bytearray()
-            for msg in batch:
-                done = self._events(msg, out) or done
+            while not done and not queue.empty():  # type: ignore[union-attr]
+                done = self._events(queue.get_nowait(), out)  # type: ignore[union-attr]
             await resp.write(bytes(out))
+            if done:
+                break
+            out = bytearray()
+            done = self._events(await queue.get(), out)  # type: ignore[union-attr]
         await resp.write_eof()
         return resp
 
