@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -79,3 +80,25 @@ def test_a_stream_sends_headers_with_its_first_token(tmp_path):
 
     events = asyncio.run(scenario())
     assert events[-1] == "data: [DONE]" and '"text":"a"' in events[0] and len(events) == 4
+
+
+def test_a_caller_gone_while_its_prompt_is_tokenized_leaves_no_entry(tmp_path, tiny_model_dir):
+    """An HTTP client that disconnects while its long prompt is tokenized on the thread pool
+    cancels the admission; its table entry (an admission slot) must go with it."""
+    from engine.tokenizer_loader import load_tokenizer
+
+    async def scenario() -> int:
+        frontend = front_door(tmp_path)
+        frontend.tokenizer = load_tokenizer(tiny_model_dir)
+        frontend.core.limits = replace(frontend.core.limits, max_context=10**6, vocab_size=49152)
+        try:
+            msg = tt.Generate("long", prompt="word " * 100_000, params={"max_tokens": 1})
+            task = asyncio.create_task(frontend.submit(msg, ("http", "long")))
+            await _admitted(frontend)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return len(frontend.table)
+        finally:
+            frontend.close()
+
+    assert asyncio.run(scenario()) == 0

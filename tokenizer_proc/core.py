@@ -135,6 +135,10 @@ class FrontDoor:
         self.counters["requests_rejected"] += 1
         return to_failure(rid, error)
 
+    def cancel(self, rid: str) -> None:
+        """The caller went away while its request was being tokenized: forget the request."""
+        self.table.pop(rid)
+
     def forwarded(self, rid: str, entry: Entry) -> bool:
         """Tokenized: True when it goes to the scheduler now, False when an abort came first
         (the request is then over; the caller sends it its terminal abort chunk)."""

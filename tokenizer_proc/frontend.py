@@ -243,6 +243,10 @@ class Frontend:
         params = self.core.admit(msg, entry)
         try:
             ids = await self._tokenize(msg)
+        except asyncio.CancelledError:
+            # NOTE: an HTTP client disconnected meanwhile; its admission slot goes with it.
+            self.core.cancel(msg.rid)
+            raise
         except EngineError as e:
             self.core.fail(msg.rid, e)
             raise
