@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import typing
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import click
 
+from engine.client import API_KEY_ENV
 from engine.config import EngineConfig
 
 
@@ -39,6 +41,8 @@ def main() -> None:
 @_config_options
 def launch(**options: Any) -> None:
     """Start the engine in the foreground (tokenizer, scheduler and detokenizer processes)."""
+    # NOTE: the environment keeps the key out of `ps` output; the flag wins when both are set.
+    options["api_key"] = options["api_key"] or os.environ.get(API_KEY_ENV) or None
     try:
         config = EngineConfig(**options).validate()
     except ValueError as e:

@@ -8,6 +8,7 @@ Every error is a typed exception from engine.errors; a dead engine raises `Engin
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import time
 import uuid
@@ -24,6 +25,7 @@ from engine.wire_errors import to_exception
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:30001"
 HEALTH_GENERATE_TIMEOUT_S = 40.0
+API_KEY_ENV = "MLX_ENGINE_API_KEY"
 
 
 class TransportLike(Protocol):
@@ -31,6 +33,11 @@ class TransportLike(Protocol):
     def unregister(self, rid: str) -> None: ...
     def send(self, msg: tt.FromClient) -> None: ...
     def close(self) -> None: ...
+
+
+def _api_key(key: str | None) -> str | None:
+    """The engine's API key: the argument, else $MLX_ENGINE_API_KEY, else none."""
+    return key or os.environ.get(API_KEY_ENV) or None
 
 
 def _rid(rid: str | None = None) -> str:
@@ -83,11 +90,13 @@ class EngineClient:
         connect_timeout: float = 10.0,
         dead_after: float = 5.0,
         transport: TransportLike | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.timeout = timeout
+        self._key = _api_key(api_key)
         self._t = transport or Transport(address, dead_after)
         try:
-            self.info = self._call(tt.Hello(_rid(), PROTOCOL_VERSION), connect_timeout)
+            self.info = self._call(tt.Hello(_rid(), PROTOCOL_VERSION, self._key), connect_timeout)
         except Timeout:
             self._t.close()
             raise EngineDead(f"no engine answers at {address}") from None
@@ -158,11 +167,11 @@ class EngineClient:
             return False
 
     def stats(self) -> dict[str, float]:
-        return self._call(tt.GetStats(_rid())).stats  # type: ignore[union-attr]
+        return self._call(tt.GetStats(_rid(), self._key)).stats  # type: ignore[union-attr]
 
     def shutdown(self) -> None:
         """Ask the engine to shut down gracefully (as SIGTERM does)."""
-        self._call(tt.ShutdownEngine(_rid()))
+        self._call(tt.ShutdownEngine(_rid(), self._key))
 
     def close(self) -> None:
         self._t.close()
@@ -202,8 +211,10 @@ class AsyncEngineClient:
         connect_timeout: float = 10.0,
         dead_after: float = 5.0,
         transport: TransportLike | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.timeout = timeout
+        self._key = _api_key(api_key)
         self.connect_timeout = connect_timeout
         self.address = address
         self._t = transport or Transport(address, dead_after)
@@ -214,7 +225,7 @@ class AsyncEngineClient:
         if self.info is None:
             try:
                 self.info = await self._call(  # type: ignore[assignment]
-                    tt.Hello(_rid(), PROTOCOL_VERSION), self.connect_timeout, hello=False
+                    tt.Hello(_rid(), PROTOCOL_VERSION, self._key), self.connect_timeout, hello=False
                 )
             except Timeout:
                 raise EngineDead(f"no engine answers at {self.address}") from None
@@ -281,10 +292,10 @@ class AsyncEngineClient:
             return False
 
     async def stats(self) -> dict[str, float]:
-        return (await self._call(tt.GetStats(_rid()))).stats  # type: ignore[union-attr]
+        return (await self._call(tt.GetStats(_rid(), self._key))).stats  # type: ignore[union-attr]
 
     async def shutdown(self) -> None:
-        await self._call(tt.ShutdownEngine(_rid()))
+        await self._call(tt.ShutdownEngine(_rid(), self._key))
 
     async def close(self) -> None:
         self._t.close()

@@ -8,6 +8,7 @@ checks them.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,13 @@ class EngineConfig:
     )
     host: str = _opt("127.0.0.1", "Host the client endpoints bind to")
     zmq_port: int = _opt(30001, "Port of the ZeroMQ SDK endpoint")
-    port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API (reserved: not served yet)")
+    port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API")
+    # NOTE: repr=False: a config that gets logged never shows the key.
+    api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={"help": "Key every HTTP and ZMQ client must present [env MLX_ENGINE_API_KEY]"},
+    )
     max_running_requests: int = _opt(
         32, "Most requests running at once (each holds a KV row of --context-length tokens)"
     )
@@ -81,6 +88,11 @@ class EngineConfig:
             )
         if self.warmup not in ("auto", "on", "off"):
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup}")
+        if not self.api_key and not _loopback(self.host):
+            raise ValueError(
+                f"--host {self.host} accepts clients from other machines: set --api-key (or "
+                "MLX_ENGINE_API_KEY) so they must present a key, or bind 127.0.0.1"
+            )
         if self.cpu_dequantize not in ("auto", "on", "off"):
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
@@ -88,3 +100,12 @@ class EngineConfig:
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:
         return list(dataclasses.fields(cls))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # NOTE: a host name other than localhost may resolve anywhere

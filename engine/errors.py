@@ -32,6 +32,10 @@ class Timeout(EngineError):
     """No answer within the caller's deadline."""
 
 
+class Unauthorized(EngineError):
+    """The client did not present the engine's API key (`--api-key`)."""
+
+
 class ModelError(EngineError):
     """A model file or directory cannot be used (missing, unsupported, corrupt)."""
 

@@ -10,25 +10,25 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from detokenizer_proc.detokenizer import Detokenizer
 from engine.config import EngineConfig
-from engine.errors import EngineDead, EngineError, InvalidRequest, ShuttingDown
+from engine.errors import EngineDead, EngineError
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from engine.protocol import PROTOCOL_VERSION
 from engine.transport import Sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import prepare
+from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
+from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("engine.inprocess")
 
 IDLE_WAIT_S = 0.05
+OWNER = "inprocess"  # NOTE: every client of one in-process transport shares it (one process)
 _STOP = object()
 _jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _worker_lock = threading.Lock()
@@ -123,14 +123,22 @@ class InProcessTransport:
         self.sched = Scheduler(self.config, model, eos)
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.detok = Detokenizer(self.tokenizer)
-        self.model_name = model_dir.name
-        self.max_context = int(self.sched.stats()["kv_row_len"])
-        self.counters: Counter[str] = Counter()
-        self.live: set[str] = set()
-        self.draining = False
+        self.core = FrontDoor(
+            Limits(
+                model=model_dir.name,
+                vocab_size=int(self.sched.vocab),
+                max_context=int(self.sched.stats()["kv_row_len"]),
+                max_in_flight=self.config.max_running_requests + self.config.max_queued_requests,
+                api_key=self.config.api_key,
+            )
+        )
+        self.welcomed = False
+        self.probes: dict[str, tuple[HealthProbe, str]] = {}  # probe rid -> (probe, caller rid)
 
     def _loop(self) -> None:
         while True:
+            self.core.tick()
+            self._expire_probes()
             wait = None if self.sched.has_work() else IDLE_WAIT_S
             for msg in self._take(wait):
                 if msg is _STOP:
@@ -159,87 +167,92 @@ class InProcessTransport:
     # --- messages -------------------------------------------------------------------------------
 
     def _handle(self, msg: tt.FromClient) -> None:
-        if isinstance(msg, tt.Generate):
-            self._generate(msg)
+        """The same core as the tokenizer process (tokenizer_proc.core): same rules, counters."""
+        if not self.core.allows(msg, self.welcomed):
+            self._reply(unauthorized(msg))
+        elif isinstance(msg, tt.Generate):
+            self._generate(msg, OWNER)
         elif isinstance(msg, tt.AbortRequest):
-            self.sched.abort(msg.target)
-            self._reply(tc.Ack(msg.rid))
+            self._abort(msg)
         elif isinstance(msg, tt.Hello):
-            self._reply(self._welcome(msg))
+            reply = self.core.welcome(msg)
+            self.welcomed = self.welcomed or isinstance(reply, tc.Welcome)
+            self._reply(reply)
         elif isinstance(msg, tt.HealthCheck):
-            self._reply(tc.HealthReply(msg.rid, not self.draining))
+            self._reply(tc.HealthReply(msg.rid, *self.core.health()))
         elif isinstance(msg, tt.HealthGenerate):
             self._health_generate(msg.rid)
         elif isinstance(msg, tt.GetStats):
-            self._reply(tc.StatsReply(msg.rid, self._stats()))
+            self._reply(tc.StatsReply(msg.rid, self.core.stats(self.sched.stats())))
         elif isinstance(msg, tt.ShutdownEngine):
-            self.draining = True
+            self.core.draining = True
             self._reply(tc.Ack(msg.rid))
 
-    def _welcome(self, msg: tt.Hello) -> tc.ToClient:
-        if msg.version != PROTOCOL_VERSION:
-            return tc.Failure(
-                msg.rid, "protocol", f"protocol v{msg.version} != v{PROTOCOL_VERSION}"
-            )
-        return tc.Welcome(msg.rid, PROTOCOL_VERSION, self.model_name, self.max_context)
-
-    def _generate(self, msg: tt.Generate) -> None:
-        """Same validation and counters as the tokenizer process (tokenizer_proc.prepare)."""
-        self.counters["requests_received"] += 1
+    def _abort(self, msg: tt.AbortRequest) -> None:
         try:
-            self._admit(msg)
+            if self.core.abort(msg.target, OWNER):
+                self.sched.abort(msg.target)
         except EngineError as e:
-            self._refuse(msg.rid, e)
+            self._reply(to_failure(msg.rid, e))
+            return
+        self._reply(tc.Ack(msg.rid))
+
+    def _generate(self, msg: tt.Generate, owner: str | None) -> None:
+        entry = Entry(owner)
+        try:
+            params = self.core.admit(msg, entry)
+        except EngineError as e:
+            self._reply(to_failure(msg.rid, e))
+            return
+        try:
+            ids = prepare.token_ids(
+                msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context
+            )
+            self.sched.submit(msg.rid, ids, params)
+        except EngineError as e:
+            self._reply(self.core.fail(msg.rid, e))
+            return
         except Exception as e:  # NOTE: as in the scheduler process: one bad request fails alone
             log.exception("rid=%s submit failed", msg.rid)
-            self._refuse(msg.rid, EngineError(f"{type(e).__name__}: {e}"))
-
-    def _refuse(self, rid: str, error: EngineError) -> None:
-        self.counters["requests_rejected"] += 1
-        self._reply(to_failure(rid, error))
-
-    def _admit(self, msg: tt.Generate) -> None:
-        if self.draining:
-            raise ShuttingDown("the engine is shutting down")
-        if not msg.rid or msg.rid in self.live:
-            raise InvalidRequest("rid", f"must be a unique non-empty id, got {msg.rid!r}")
-        vocab = int(self.sched.vocab)
-        params = prepare.sampling_params(msg.params, vocab)
-        ids = prepare.token_ids(msg, self.tokenizer, vocab, self.max_context)
-        self.sched.submit(msg.rid, ids, params)
+            self._reply(self.core.fail(msg.rid, EngineError(f"{type(e).__name__}: {e}")))
+            return
+        self.core.forwarded(msg.rid, entry)  # NOTE: one thread: no abort can come in between
         self.detok.register(msg.rid, list(params.stop))
-        self.live.add(msg.rid)
 
     def _on_outputs(self, outputs: list[Any]) -> None:
         chunks, stopped = self.detok.process(outputs)
         for rid in stopped:
             self.sched.abort(rid)
         for chunk in chunks:
-            if chunk.finish_reason is not None:
-                self.live.discard(chunk.rid)
-                self.counters["requests_answered"] += 1
-                self.counters[f"finish_{chunk.finish_reason}"] += 1
-            self._reply(chunk)
+            if self.core.on_chunk(chunk) is not None:
+                self._reply(chunk)
+
+    # --- health generation ----------------------------------------------------------------------
 
     def _health_generate(self, caller: str) -> None:
-        rid = f"health-{uuid.uuid4().hex}"
+        probe = HealthProbe()
 
-        def done(msg: tc.ToClient) -> None:
-            finish = getattr(msg, "finish_reason", "error")
-            if finish is not None:
-                self.sinks.pop(rid, None)
-                self._reply(tc.HealthReply(caller, finish in ("stop", "length")))
+        def sink(msg: tc.ToClient) -> None:
+            verdict = probe.feed(msg)
+            if verdict is not None:
+                self._end_probe(probe, caller, verdict)
 
-        self.sinks[rid] = done
-        self._generate(
-            tt.Generate(rid, input_ids=[0], params={"max_tokens": 1, "temperature": 0.0})
-        )
+        self.probes[probe.rid] = (probe, caller)
+        self.sinks[probe.rid] = sink
+        self._generate(probe.request(), None)
 
-    def _stats(self) -> dict[str, float]:
-        stats = {k: float(v) for k, v in self.sched.stats().items()}
-        stats.update({k: float(v) for k, v in self.counters.items()})
-        stats["requests_in_flight"] = float(len(self.live))
-        return stats
+    def _expire_probes(self) -> None:
+        for probe, caller in list(self.probes.values()):
+            verdict = probe.expired()
+            if verdict is not None:
+                if self.core.abort(probe.rid, None):
+                    self.sched.abort(probe.rid)
+                self._end_probe(probe, caller, verdict)
+
+    def _end_probe(self, probe: HealthProbe, caller: str, verdict: tuple[bool, str]) -> None:
+        self.sinks.pop(probe.rid, None)
+        self.probes.pop(probe.rid, None)
+        self._reply(tc.HealthReply(caller, *verdict))
 
     def _reply(self, msg: tc.ToClient) -> None:
         sink = self.sinks.get(getattr(msg, "rid", ""))

@@ -92,7 +92,8 @@ class Launcher:
         try:
             if not self._start():
                 return 1
-            log.info("engine ready: SDK endpoint %s", self.endpoints.client)
+            http = f"http://{self.config.host}:{self.config.port}"
+            log.info("engine ready: SDK endpoint %s, HTTP API %s", self.endpoints.client, http)
             return self._watch()
         finally:
             self._teardown()

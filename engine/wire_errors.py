@@ -10,6 +10,7 @@ from engine.errors import (
     ProtocolMismatch,
     ShuttingDown,
     Timeout,
+    Unauthorized,
 )
 from engine.messages.to_client import Failure
 
@@ -20,6 +21,7 @@ KINDS: dict[str, type[EngineError]] = {
     "engine_dead": EngineDead,
     "timeout": Timeout,
     "protocol": ProtocolMismatch,
+    "unauthorized": Unauthorized,
 }
 _NAMES = {cls: name for name, cls in KINDS.items()}
 

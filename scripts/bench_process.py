@@ -210,7 +210,11 @@ def launch(model: str | None, log_path: str | None) -> tuple[subprocess.Popen, S
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
+    cmd += ["--port", str(http_port)]  # NOTE: not the default 30000, which may be taken
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd + (["--model", model] if model else []), stderr=log)
     deadline = time.monotonic() + 300

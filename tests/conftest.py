@@ -47,3 +47,11 @@ def tiny_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random qwen3, weights only (no tokenizer)."""
     return make_random_model(tmp_path_factory.mktemp("tiny-qwen3-w"), TINY_QWEN3)
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A 2-layer llama whose chat template has tools and whose greedy answer is a tool call."""
+    from tool_model import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tiny-tools"), default_model_dir)

@@ -31,7 +31,10 @@ class LaunchedEngine:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.http_port = free_port()
+        self.http = f"http://127.0.0.1:{self.http_port}"
         cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(self.port)]
+        cmd += ["--port", str(self.http_port)]
         cmd += ["--model", str(model_dir)] if model_dir is not None else []
         cmd += list(extra)
         self._log = open(log_path, "w")  # noqa: SIM115

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from engine_harness import LaunchedEngine, bounded, reference_greedy  # noqa: F401
 
+import engine.client as client_module
 from engine.client import AsyncEngineClient, EngineClient
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineError, InvalidRequest, ProtocolMismatch
 from engine.inprocess import InProcessTransport
 
 TIMEOUT = 60.0
@@ -243,6 +244,13 @@ def test_duplicate_rid_is_refused(client):
 
 def test_health(client):
     assert client.health() is True
+
+
+def test_a_protocol_mismatch_is_the_same_clear_error(engine, monkeypatch):
+    """One welcome for both engines (the front-door core): the same refusal, worded the same."""
+    monkeypatch.setattr(client_module, "PROTOCOL_VERSION", 999)
+    with pytest.raises(ProtocolMismatch, match="v999.*use a matching mlx-engine client"):
+        _client(engine)
 
 
 def test_health_generate_goes_through_the_real_path(client):

@@ -1,4 +1,5 @@
-"""The front door: client ROUTER endpoint, admission, tokenization, and routing replies back.
+"""The front door: the client ROUTER endpoint, tokenization, and routing replies back, around the
+I/O-free core (tokenizer_proc.core); the HTTP API (tokenizer_proc.http_api) runs beside it.
 
 Everything runs on one asyncio loop; long tokenizations go to a thread pool so one huge prompt
 never delays other clients' chunks.
@@ -11,8 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,20 +21,20 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.errors import EngineDead, EngineError, InvalidRequest, Overloaded, ShuttingDown
+from engine.errors import EngineError
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
-from engine.protocol import PROTOCOL_VERSION, Codec
+from engine.protocol import Codec
 from engine.wire_errors import to_failure
 from tokenizer_proc import prepare
-from tokenizer_proc.requests import Entry, RequestTable
+from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
+from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer")
 
-HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
-HEALTH_GENERATE_TIMEOUT_S = 30.0
+STATS_TIMEOUT_S = 5.0
 # NOTE: short inputs tokenize in tens of microseconds; a thread hop would cost more than it saves.
 INLINE_CHARS = 2048
 _CLIENT_TYPES = {cls.__name__: cls for cls in tt.FromClient.__args__}
@@ -51,17 +51,20 @@ class Frontend:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = int(facts["vocab_size"])
-        self.max_context = int(facts["max_context"])
-        self.model = str(facts.get("model", ""))
+        self.core = FrontDoor(
+            Limits(
+                model=str(facts.get("model", "")),
+                vocab_size=int(facts["vocab_size"]),
+                max_context=int(facts["max_context"]),
+                max_in_flight=config.max_running_requests + config.max_queued_requests,
+                api_key=config.api_key,
+            )
+        )
+        self.table = self.core.table
         self.request_shutdown = request_shutdown
-        self.table = RequestTable()
-        self.counters: Counter[str] = Counter()
-        self.draining = False
-        self.dead = False
-        self.last_tick = time.monotonic()
         self.done = asyncio.Event()
-        self._stats_calls: dict[str, bytes] = {}
+        self._stats_calls: dict[str, asyncio.Future[dict[str, float]]] = {}
+        self._welcomed: set[bytes] = set()  # ZMQ identities whose Hello carried the key
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._client_codec: Codec[tt.FromClient] = Codec(tt.FromClient)
         self._reply_codec: Codec[tc.ToClient] = Codec(tc.ToClient)
@@ -86,11 +89,16 @@ class Frontend:
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    async def serve(self, orphaned: threading.Event) -> None:
+    async def serve(
+        self, orphaned: threading.Event, extra: Sequence[Coroutine[Any, Any, None]] = ()
+    ) -> None:
+        """Serve until the pipeline drained or the engine failed; `extra` are coroutines that
+        run beside the ZMQ endpoint (the HTTP server) and are cancelled with it."""
         tasks = [
             asyncio.create_task(self._client_loop()),
             asyncio.create_task(self._engine_loop()),
             asyncio.create_task(_wait_event(orphaned, self.done)),
+            *(asyncio.create_task(c) for c in extra),
         ]
         await self.done.wait()
         for t in tasks:
@@ -103,6 +111,52 @@ class Frontend:
         self.router.close()
         self.inbox.close()
         self.to_scheduler.close()
+
+    # --- the API every endpoint uses ------------------------------------------------------------
+
+    async def submit(self, msg: tt.Generate, owner: Hashable) -> Entry:
+        """Admit, tokenize and forward one request whose replies go to the returned entry's
+        queue (HTTP); raises the typed error that refused it."""
+        entry = Entry(owner, chunks=asyncio.Queue())
+        await self._admit(msg, entry)
+        return entry
+
+    def abort(self, rid: str, owner: Hashable | None) -> None:
+        if self.core.abort(rid, owner):
+            self.to_scheduler.put(Abort(rid))
+
+    async def health_generate(self) -> tuple[bool, str]:
+        probe = HealthProbe()
+        entry = Entry(None, chunks=asyncio.Queue())
+        try:
+            await self._admit(probe.request(), entry)
+        except EngineError as e:
+            return False, str(e)
+        while True:
+            remaining = probe.deadline - time.monotonic()
+            try:
+                msg = await asyncio.wait_for(entry.chunks.get(), max(remaining, 0.0))  # type: ignore[union-attr]
+            except asyncio.TimeoutError:
+                self.abort(probe.rid, None)
+                return probe.expired() or (False, "health generation timed out")
+            verdict = probe.feed(msg)
+            if verdict is not None:
+                return verdict
+
+    async def stats(self) -> dict[str, float]:
+        """The engine's stats: the scheduler's (a round trip) and the front door's own."""
+        rid = f"stats-{uuid.uuid4().hex}"
+        future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        self._stats_calls[rid] = future
+        self.to_scheduler.put(StatsQuery(rid))
+        try:
+            scheduler = await asyncio.wait_for(future, STATS_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("no stats from the scheduler within %.1fs", STATS_TIMEOUT_S)
+            scheduler = {}
+        finally:
+            self._stats_calls.pop(rid, None)
+        return self.core.stats(scheduler)
 
     # --- client side ----------------------------------------------------------------------------
 
@@ -118,8 +172,12 @@ class Frontend:
         try:
             msg = self._client_codec.decode(frame)
         except msgspec.MsgspecError as e:
-            self.counters["bad_frames"] += 1
+            self.core.counters["bad_frames"] += 1
             await self._send(client, _bad_frame_failure(frame, e))
+            return
+        if not self.core.allows(msg, client in self._welcomed):
+            if not isinstance(msg, tt.Goodbye):
+                await self._send(client, unauthorized(msg))
             return
         await self._on_client(client, msg)
 
@@ -130,43 +188,46 @@ class Frontend:
             await self._send(client, tc.Pong())
         elif isinstance(msg, tt.Goodbye):
             self._client_gone(client)
+            self._welcomed.discard(client)
         elif isinstance(msg, tt.AbortRequest):
-            self._abort(msg.target)
-            await self._send(client, tc.Ack(msg.rid))
+            await self._on_abort(client, msg)
         else:
             await self._on_call(client, msg)
 
+    async def _on_abort(self, client: bytes, msg: tt.AbortRequest) -> None:
+        try:
+            self.abort(msg.target, client)
+        except EngineError as e:
+            await self._send(client, to_failure(msg.rid, e))
+            return
+        await self._send(client, tc.Ack(msg.rid))
+
     async def _on_call(self, client: bytes, msg: tt.FromClient) -> None:
         if isinstance(msg, tt.Hello):
-            await self._send(client, self._welcome(msg))
+            reply = self.core.welcome(msg)
+            if isinstance(reply, tc.Welcome):
+                self._welcomed.add(client)
+            await self._send(client, reply)
         elif isinstance(msg, tt.HealthCheck):
-            await self._send(client, tc.HealthReply(msg.rid, *self._health()))
+            await self._send(client, tc.HealthReply(msg.rid, *self.core.health()))
         elif isinstance(msg, tt.HealthGenerate):
             asyncio.create_task(self._reply_health_generate(client, msg.rid))
         elif isinstance(msg, tt.GetStats):
-            self._stats_calls[msg.rid] = client
-            self.to_scheduler.put(StatsQuery(msg.rid))
+            asyncio.create_task(self._reply_stats(client, msg.rid))
         elif isinstance(msg, tt.ShutdownEngine):
-            self._begin_shutdown("shutdown() from a client")
+            self.begin_shutdown("shutdown() from a client")
             await self._send(client, tc.Ack(msg.rid))
 
-    def _welcome(self, msg: tt.Hello) -> tc.Welcome | tc.Failure:
-        if msg.version == PROTOCOL_VERSION:
-            return tc.Welcome(msg.rid, PROTOCOL_VERSION, self.model, self.max_context)
-        text = f"client speaks protocol v{msg.version}, this engine v{PROTOCOL_VERSION}"
-        return tc.Failure(msg.rid, "protocol", text + "; use a matching mlx-engine client")
+    async def _reply_health_generate(self, client: bytes, rid: str) -> None:
+        healthy, detail = await self.health_generate()
+        await self._send(client, tc.HealthReply(rid, healthy, detail))
 
-    def _health(self) -> tuple[bool, str]:
-        if self.dead or self.draining:
-            return False, "engine dead" if self.dead else "shutting down"
-        age = time.monotonic() - self.last_tick
-        if age > HEALTHY_WITHIN_S:
-            return False, f"scheduler loop silent for {age:.1f}s"
-        return True, ""
+    async def _reply_stats(self, client: bytes, rid: str) -> None:
+        await self._send(client, tc.StatsReply(rid, await self.stats()))
 
-    def _begin_shutdown(self, reason: str) -> None:
-        if not self.draining:
-            self.draining = True
+    def begin_shutdown(self, reason: str) -> None:
+        if not self.core.draining:
+            self.core.draining = True
             self.request_shutdown(reason)
 
     # --- admission ------------------------------------------------------------------------------
@@ -175,73 +236,43 @@ class Frontend:
         try:
             await self._admit(msg, Entry(client))
         except EngineError as e:
-            self.counters["requests_rejected"] += 1
             await self._send(client, to_failure(msg.rid, e))
 
     async def _admit(self, msg: tt.Generate, entry: Entry) -> None:
         """The one path of every request, health generations included (same counters)."""
-        self.counters["requests_received"] += 1
-        self._check_admission(msg.rid)
-        params = prepare.sampling_params(msg.params, self.vocab_size)
-        self.table.add(msg.rid, entry)
+        params = self.core.admit(msg, entry)
         try:
             ids = await self._tokenize(msg)
+        except asyncio.CancelledError:
+            # NOTE: an HTTP client disconnected meanwhile; its admission slot goes with it.
+            self.core.cancel(msg.rid)
+            raise
+        except EngineError as e:
+            self.core.fail(msg.rid, e)
+            raise
         except Exception as e:
-            self.table.pop(msg.rid)
-            if isinstance(e, EngineError):
-                raise
             # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
             log.exception("rid=%s tokenization failed", msg.rid)
-            raise EngineError(f"{type(e).__name__}: {e}") from e
-        self._forward(msg.rid, entry, ids, params)
-
-    def _check_admission(self, rid: str) -> None:
-        if self.dead:
-            raise EngineDead("an engine process died")
-        if self.draining:
-            raise ShuttingDown("the engine is shutting down")
-        if not isinstance(rid, str) or not rid or rid in self.table:
-            raise InvalidRequest("rid", f"must be a unique non-empty id, got {rid!r}")
-        if len(self.table) >= self.config.max_running_requests + self.config.max_queued_requests:
-            raise Overloaded(f"{len(self.table)} requests in flight; retry later")
+            error = EngineError(f"{type(e).__name__}: {e}")
+            self.core.fail(msg.rid, error)
+            raise error from e
+        if not self.core.forwarded(msg.rid, entry):
+            asyncio.create_task(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
+            return
+        self.to_scheduler.put(TokenizedRequest(msg.rid, ids, params))
+        log.debug("rid=%s admitted: %d prompt tokens", msg.rid, len(ids))
 
     async def _tokenize(self, msg: tt.Generate) -> list[int]:
-        args = (msg, self.tokenizer, self.vocab_size, self.max_context)
+        args = (msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context)
         if msg.input_ids is not None or len(msg.prompt or "") + _chars(msg.messages) < INLINE_CHARS:
             return prepare.token_ids(*args)
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, prepare.token_ids, *args
         )
 
-    def _forward(self, rid: str, entry: Entry, ids: list[int], params: Any) -> None:
-        if entry.aborted:
-            self.table.pop(rid)
-            self._deliver_later(tc.Chunk(rid, finish_reason="abort"), entry)
-            return
-        self.to_scheduler.put(TokenizedRequest(rid, ids, params))
-        entry.sent = True
-        log.debug("rid=%s admitted: %d prompt tokens", rid, len(ids))
-
-    def _deliver_later(self, chunk: tc.Chunk, entry: Entry) -> None:
-        asyncio.create_task(self._deliver(chunk, entry))
-
-    # --- aborts and lost clients ----------------------------------------------------------------
-
-    def _abort(self, rid: str) -> None:
-        entry = self.table.get(rid)
-        if entry is None:
-            return
-        if entry.sent:
+    def _client_gone(self, owner: Hashable) -> None:
+        for rid in self.core.owner_gone(owner):
             self.to_scheduler.put(Abort(rid))
-        entry.aborted = True
-
-    def _client_gone(self, client: bytes) -> None:
-        rids = self.table.of_client(client)
-        if rids:
-            log.info("client gone; aborting %d request(s): %s", len(rids), rids[:4])
-        for rid in rids:
-            self.table.get(rid).gone = True  # type: ignore[union-attr]
-            self._abort(rid)
 
     # --- engine side ----------------------------------------------------------------------------
 
@@ -252,92 +283,50 @@ class Frontend:
                 await self._on_engine(msg)
             except Exception:
                 log.exception("error handling an engine message")
+            # NOTE: a zmq.asyncio recv with a message waiting never suspends, so a backlog would
+            # run to its end before any HTTP handler writes the chunks queued for it; yield.
+            await asyncio.sleep(0)
 
     async def _on_engine(self, msg: tt.FromEngine | None) -> None:
         if isinstance(msg, tt.Chunks):
             for chunk in msg.chunks:
-                await self._route(chunk)
+                entry = self.core.on_chunk(chunk)
+                if entry is not None:
+                    await self._deliver(chunk, entry)
         elif isinstance(msg, tt.Heartbeat):
-            self.last_tick = time.monotonic()
+            self.core.tick()
         elif isinstance(msg, tt.RequestFailed):
-            await self._on_failed(msg)
+            entry = self.core.on_failed(msg.rid)
+            if entry is not None:
+                await self._deliver(tc.Failure(msg.rid, msg.kind, msg.message, msg.field), entry)
         elif isinstance(msg, tt.SchedulerStats):
-            await self._on_stats(msg)
+            future = self._stats_calls.get(msg.rid)
+            if future is not None and not future.done():
+                future.set_result(dict(msg.stats))
         elif isinstance(msg, tt.Control):
             await self._on_control(msg)
         elif isinstance(msg, tt.PipelineDrained):
             await self._end_all("abort")
             self.done.set()
 
-    async def _route(self, chunk: tc.Chunk) -> None:
-        entry = self.table.get(chunk.rid)
-        if entry is None:
-            return
-        if entry.first_token_at is None and chunk.token_ids:
-            entry.first_token_at = time.monotonic()
-        if chunk.finish_reason is not None:
-            self.table.pop(chunk.rid)
-            self.counters["requests_answered"] += 1
-            self.counters[f"finish_{chunk.finish_reason}"] += 1
-            _log_finished(chunk, entry)
-        await self._deliver(chunk, entry)
-
     async def _deliver(self, msg: tc.Chunk | tc.Failure, entry: Entry) -> None:
-        if entry.client is None:
-            entry.chunks.put_nowait(msg)  # type: ignore[union-attr]
-        elif not entry.gone and not await self._send(entry.client, msg):
-            self._client_gone(entry.client)
-
-    async def _on_failed(self, msg: tt.RequestFailed) -> None:
-        entry = self.table.pop(msg.rid)
-        if entry is not None:
-            self.counters["requests_rejected"] += 1
-            await self._deliver(tc.Failure(msg.rid, msg.kind, msg.message, msg.field), entry)
-
-    async def _on_stats(self, msg: tt.SchedulerStats) -> None:
-        client = self._stats_calls.pop(msg.rid, None)
-        if client is not None:
-            stats = {**msg.stats, **{k: float(v) for k, v in self.counters.items()}}
-            stats["requests_in_flight"] = float(len(self.table))
-            await self._send(client, tc.StatsReply(msg.rid, stats))
+        if entry.chunks is not None:
+            entry.chunks.put_nowait(msg)
+        elif not entry.gone and not await self._send(entry.owner, msg):  # type: ignore[arg-type]
+            self._client_gone(entry.owner)  # type: ignore[arg-type]
 
     async def _on_control(self, msg: tt.Control) -> None:
         log.info("control from the launcher: %s %s", msg.action, msg.reason)
         if msg.action == "drain":
-            self.draining = True
+            self.core.draining = True
         elif msg.action == "fail":
-            self.dead = True
+            self.core.dead = True
             await self._end_all("engine_dead", msg.reason)
             self.done.set()  # NOTE: the launcher stops the engine; the ROUTER's linger flushes
 
     async def _end_all(self, kind: str, reason: str = "") -> None:
-        """Give every request still in the table its terminal message."""
-        for rid in self.table.rids():
-            entry = self.table.pop(rid)
-            if kind == "abort":
-                final: tc.Chunk | tc.Failure = tc.Chunk(rid, finish_reason="abort")
-            else:
-                final = tc.Failure(rid, kind, f"an engine process died: {reason}")
-            await self._deliver(final, entry)  # type: ignore[arg-type]
-
-    # --- health generation ----------------------------------------------------------------------
-
-    async def _reply_health_generate(self, client: bytes, rid: str) -> None:
-        healthy, detail = await self._health_generate()
-        await self._send(client, tc.HealthReply(rid, healthy, detail))
-
-    async def _health_generate(self) -> tuple[bool, str]:
-        rid = f"health-{uuid.uuid4().hex}"
-        entry = Entry(None, chunks=asyncio.Queue())
-        msg = tt.Generate(rid, input_ids=[0], params={"max_tokens": 1, "temperature": 0.0})
-        try:
-            await self._admit(msg, entry)
-            return await asyncio.wait_for(_until_final(entry), HEALTH_GENERATE_TIMEOUT_S)
-        except EngineError as e:
-            return False, str(e)
-        except asyncio.TimeoutError:
-            self._abort(rid)
-            return False, f"no token within {HEALTH_GENERATE_TIMEOUT_S}s"
+        for entry, final in self.core.end_all(kind, reason):
+            await self._deliver(final, entry)
 
     # --- sending --------------------------------------------------------------------------------
 
@@ -348,32 +337,6 @@ class Frontend:
             return True
         except zmq.ZMQError:
             return False
-
-
-def _log_finished(chunk: tc.Chunk, entry: Entry) -> None:
-    now = time.monotonic()
-    first = entry.first_token_at or now
-    log.info(
-        "rid=%s finish=%s prompt=%d completion=%d ttft=%.1fms total=%.1fms",
-        chunk.rid,
-        chunk.finish_reason,
-        chunk.prompt_tokens,
-        chunk.completion_tokens,
-        (first - entry.admitted_at) * 1e3,
-        (now - entry.admitted_at) * 1e3,
-    )
-
-
-async def _until_final(entry: Entry) -> tuple[bool, str]:
-    tokens = 0
-    while True:
-        msg = await entry.chunks.get()  # type: ignore[union-attr]
-        if isinstance(msg, tc.Failure):
-            return False, f"{msg.kind}: {msg.message}"
-        tokens += len(msg.token_ids)
-        if msg.finish_reason is not None:
-            ok = msg.finish_reason in ("stop", "length") and tokens > 0
-            return ok, "" if ok else f"finish_reason={msg.finish_reason}, {tokens} tokens"
 
 
 async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:

@@ -22,9 +22,16 @@ async def _serve(
     me: child.Child, config: EngineConfig, endpoints: Endpoints, facts: dict[str, Any]
 ) -> None:
     from tokenizer_proc.frontend import Frontend
+    from tokenizer_proc.http_api import HttpApi
 
     with me.starting():
         tokenizer = load_tokenizer(str(facts["model_dir"]), str(facts["tokenizer_defaults"]))
         frontend = Frontend(config, endpoints, tokenizer, facts, me.send_launcher_shutdown)
+        # NOTE: bound while starting, so a port in use is a start-up failure the launcher reports.
+        http = HttpApi(frontend)
+        await http.start(config.host, config.port)
     me.ready(endpoint=endpoints.client)
-    await frontend.serve(me.orphaned)
+    try:
+        await frontend.serve(me.orphaned)
+    finally:
+        await http.close()

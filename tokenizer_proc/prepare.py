@@ -35,7 +35,12 @@ def source_of(req: Generate) -> str:
 
 def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
     source = source_of(req)
-    ids = _ENCODERS[source](getattr(req, source), tokenizer, vocab_size)
+    if req.tools is not None and source != "messages":
+        raise InvalidRequest("tools", "tools need messages (a chat)")
+    if source == "messages":
+        ids = _from_messages(req.messages, tokenizer, req.tools)  # type: ignore[arg-type]
+    else:
+        ids = _ENCODERS[source](getattr(req, source), tokenizer, vocab_size)
     if not ids:
         raise InvalidRequest(source, "the prompt has no tokens")
     if len(ids) >= max_context:
@@ -52,15 +57,20 @@ def _from_prompt(prompt: str, tokenizer: Any, vocab_size: int) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=special))
 
 
-def _from_messages(messages: list[dict[str, Any]], tokenizer: Any, vocab_size: int) -> list[int]:
+def _from_messages(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> list[int]:
     if not messages:
         raise InvalidRequest("messages", "must not be empty")
     for i, m in enumerate(messages):
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise InvalidRequest(f"messages[{i}].{key}", "must be a string")
+    if tools and not getattr(tokenizer, "has_tool_calling", False):
+        raise InvalidRequest("tools", "this model's chat template has no tool calling")
+    extra = {"tools": tools} if tools else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except Exception as e:  # NOTE: a template raises anything (jinja errors included)
         raise InvalidRequest("messages", f"chat template failed: {e}") from None
     return list(ids)
@@ -73,7 +83,7 @@ def _from_ids(ids: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-_ENCODERS = {"prompt": _from_prompt, "messages": _from_messages, "input_ids": _from_ids}
+_ENCODERS = {"prompt": _from_prompt, "input_ids": _from_ids}
 
 _PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
 _UNKNOWN = re.compile(r"unknown field `(\w+)`")

@@ -1,36 +1,39 @@
-"""The tokenizer process's table of requests in flight: who asked, and where replies go."""
+"""The front door's table of requests in flight: who asked, and where replies go."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-
-from engine.messages.to_client import Chunk
+from typing import Any
 
 
 @dataclass
 class Entry:
     """One request from admission to its terminal chunk.
 
-    `client` is the ROUTER identity of an SDK client, or None for an internal request (health
-    generation) whose chunks go to `chunks` instead.
+    `owner` names the client that sent it (a ZMQ ROUTER identity, an HTTP connection, the
+    in-process transport); only its owner may abort it. A request whose replies go to a queue
+    (HTTP, health generation) has `chunks`; a ZMQ client's replies go to its identity instead.
     """
 
-    client: bytes | None
-    chunks: asyncio.Queue[Chunk] | None = None
+    owner: Hashable | None
+    chunks: asyncio.Queue[Any] | None = None
     sent: bool = False  # forwarded to the scheduler
     aborted: bool = False  # abort asked: do not forward it, or tell the scheduler
     gone: bool = False  # the client went away: nothing more is sent to it
-    # NOTE: the request's timeline, recorded here only and logged once when it finishes.
+    # NOTE: the request's timeline, recorded here only: logged once and fed to the latency
+    # histograms when it finishes.
     admitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
 
 
 class RequestTable:
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
-        self._by_client: dict[bytes, set[str]] = {}
+        self._by_owner: dict[Hashable, set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -43,20 +46,20 @@ class RequestTable:
 
     def add(self, rid: str, entry: Entry) -> None:
         self._entries[rid] = entry
-        if entry.client is not None:
-            self._by_client.setdefault(entry.client, set()).add(rid)
+        if entry.owner is not None:
+            self._by_owner.setdefault(entry.owner, set()).add(rid)
 
     def pop(self, rid: str) -> Entry | None:
         entry = self._entries.pop(rid, None)
-        if entry is not None and entry.client is not None:
-            rids = self._by_client.get(entry.client, set())
+        if entry is not None and entry.owner is not None:
+            rids = self._by_owner.get(entry.owner, set())
             rids.discard(rid)
             if not rids:
-                self._by_client.pop(entry.client, None)
+                self._by_owner.pop(entry.owner, None)
         return entry
 
-    def of_client(self, client: bytes) -> list[str]:
-        return list(self._by_client.get(client, ()))
+    def of_owner(self, owner: Hashable) -> list[str]:
+        return list(self._by_owner.get(owner, ()))
 
     def rids(self) -> list[str]:
         return list(self._entries)

@@ -15,10 +15,12 @@ from engine.protocol import Message
 
 
 class Hello(Message):
-    """First message of a client: the protocol version it speaks."""
+    """First message of a client: the protocol version it speaks, and the engine's API key when
+    it has one (`--api-key`): a ZMQ client is served only after a Hello with the right key."""
 
     rid: str
     version: int
+    api_key: str | None = None
 
 
 class Generate(Message):
@@ -33,6 +35,7 @@ class Generate(Message):
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
     params: dict[str, Any] = {}
+    tools: list[dict[str, Any]] | None = None  # OpenAI-style tool specs for the chat template
 
 
 class AbortRequest(Message):
@@ -50,10 +53,12 @@ class HealthGenerate(Message):
 
 class GetStats(Message):
     rid: str
+    api_key: str | None = None  # NOTE: control messages carry the key again (see Hello)
 
 
 class ShutdownEngine(Message):
     rid: str
+    api_key: str | None = None
 
 
 class Ping(Message):

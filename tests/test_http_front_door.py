@@ -1,0 +1,104 @@
+"""The HTTP API over a real front door without an engine behind it: what the engine would
+answer is injected as its real wire messages, for cases no live engine produces on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from engine.config import EngineConfig
+from engine.ipc import Endpoints
+from engine.messages import to_client as tc
+from engine.messages import to_tokenizer as tt
+from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.http_api import HttpApi
+
+
+def front_door(tmp_path: Path) -> Frontend:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
+    facts = {"vocab_size": 100, "max_context": 64, "model": "m"}
+    # NOTE: token-id prompts never reach the tokenizer; none is needed
+    return Frontend(config, Endpoints.create(config, tmp_path), None, facts, print)
+
+
+async def _admitted(frontend: Frontend) -> str:
+    while not len(frontend.table):
+        await asyncio.sleep(0.01)
+    return frontend.table.rids()[0]
+
+
+def test_a_refusal_before_the_first_token_gets_its_status_not_a_200(tmp_path):
+    """The scheduler may refuse an admitted request (its own queue bound, a drain that began):
+    a stream that has sent nothing yet answers with the refusal's status."""
+
+    async def scenario() -> tuple[int, dict]:
+        frontend = front_door(tmp_path)
+        client = TestClient(TestServer(HttpApi(frontend).app))
+        await client.start_server()
+        try:
+            body = {"prompt": [1, 2], "stream": True, "max_tokens": 4}
+            reply = asyncio.create_task(client.post("/v1/completions", json=body))
+            rid = await _admitted(frontend)
+            failed = tt.RequestFailed(rid, "overloaded", "4 requests already waiting")
+            await frontend._on_engine(failed)
+            resp = await asyncio.wait_for(reply, 10)
+            return resp.status, await resp.json()
+        finally:
+            await client.close()
+            frontend.close()
+
+    status, body = asyncio.run(scenario())
+    assert status == 429 and body["error"]["code"] == "overloaded", body
+
+
+def test_a_stream_sends_headers_with_its_first_token(tmp_path):
+    async def scenario() -> list[str]:
+        frontend = front_door(tmp_path)
+        client = TestClient(TestServer(HttpApi(frontend).app))
+        await client.start_server()
+        try:
+            body = {"prompt": [1, 2], "stream": True, "max_tokens": 2}
+            reply = asyncio.create_task(client.post("/v1/completions", json=body))
+            rid = await _admitted(frontend)
+            chunks = [
+                tc.Chunk(rid, text="a", token_ids=[5]),
+                tc.Chunk(rid, text="b", token_ids=[6], finish_reason="length", completion_tokens=2),
+            ]
+            await frontend._on_engine(tt.Chunks(chunks))
+            resp = await asyncio.wait_for(reply, 10)
+            assert resp.status == 200
+            return [line for line in (await resp.text()).splitlines() if line]
+        finally:
+            await client.close()
+            frontend.close()
+
+    events = asyncio.run(scenario())
+    assert events[-1] == "data: [DONE]" and '"text":"a"' in events[0] and len(events) == 4
+
+
+def test_a_caller_gone_while_its_prompt_is_tokenized_leaves_no_entry(tmp_path, tiny_model_dir):
+    """An HTTP client that disconnects while its long prompt is tokenized on the thread pool
+    cancels the admission; its table entry (an admission slot) must go with it."""
+    from engine.tokenizer_loader import load_tokenizer
+
+    async def scenario() -> int:
+        frontend = front_door(tmp_path)
+        frontend.tokenizer = load_tokenizer(tiny_model_dir)
+        frontend.core.limits = replace(frontend.core.limits, max_context=10**6, vocab_size=49152)
+        try:
+            msg = tt.Generate("long", prompt="word " * 100_000, params={"max_tokens": 1})
+            task = asyncio.create_task(frontend.submit(msg, ("http", "long")))
+            await _admitted(frontend)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return len(frontend.table)
+        finally:
+            frontend.close()
+
+    assert asyncio.run(scenario()) == 0

@@ -1,0 +1,88 @@
+"""A tiny model that answers every chat with one tool call, for the tool-calling tests.
+
+The tokenizer is the default model's, with two unused added tokens renamed to `<tool_call>` and
+`</tool_call>` and a chat template that renders tools the way mlx-lm recognises (its `json_tools`
+parser). The weights are random except that every layer's output projections are zero, so the
+last hidden state is the current token's embedding alone, and the untied head maps each token of
+a fixed answer to the next one: greedy decoding after the generation prompt spells the answer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model, save_model
+
+from engine.random_model import TINY_LLAMA, make_random_model
+
+TOOL_START, TOOL_END = 8, 9  # ids of <issue_start>, <issue_comment>: renamed below
+# NOTE: compact JSON whose tokens are all distinct, so "next token" is a function of the token
+ANSWER = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n"
+    "{%- for tool in tools %}\n{{ tool.function.name }}: {{ tool.function.description }}"
+    "{%- endfor %}\nCall one as <tool_call>{json}</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
+    "{%- set tool_call = tool_call.function %}"
+    '<tool_call>{"name":"{{ tool_call.name }}","arguments":{{ tool_call.arguments | tojson }}}'
+    "</tool_call>{%- endfor %}{%- else %}{{ message.content }}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tool_model(out: Path, tokenizer_from: Path) -> Path:
+    make_random_model(
+        out, {**TINY_LLAMA, "tie_word_embeddings": False}, tokenizer_from=tokenizer_from
+    )
+    _rename_tokens(out)
+    _chain_weights(out)
+    return out
+
+
+def _rename_tokens(out: Path) -> None:
+    names = {"<issue_start>": "<tool_call>", "<issue_comment>": "</tool_call>"}
+    tok = json.loads((out / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        if added["content"] in names:
+            added["content"], added["special"] = names[added["content"]], False
+    vocab = tok["model"]["vocab"]
+    for old, new in names.items():
+        vocab[new] = vocab.pop(old)
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    for entry in config.get("added_tokens_decoder", {}).values():
+        if entry["content"] in names:
+            entry["content"], entry["special"] = names[entry["content"]], False
+    config["chat_template"] = TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def answer_ids(out: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out).encode(ANSWER, add_special_tokens=False)
+
+
+def _chain_weights(out: Path) -> None:
+    chain = [198, *answer_ids(out), 2]  # "\n" ends the generation prompt; 2 is <|im_end|>
+    assert len(set(chain)) == len(chain), "the answer's tokens must be distinct"
+    model, config = load_model(out)
+    params = dict(tree_flatten(model.parameters()))
+    embed = params["model.embed_tokens.weight"]
+    head = mx.zeros(params["lm_head.weight"].shape)
+    for cur, nxt in zip(chain, chain[1:], strict=False):
+        h = embed[cur] / mx.sqrt(mx.mean(embed[cur] ** 2) + 1e-5)  # the final RMSNorm's output
+        head[nxt] = head[nxt] + 10.0 * h / mx.sum(h * h)  # NOTE: logit 10 for the successor
+    params["lm_head.weight"] = head
+    for name in params:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            params[name] = mx.zeros(params[name].shape)
+    model.load_weights(list(params.items()))
+    mx.eval(model.parameters())
+    save_model(out, model)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 2}))

@@ -1,0 +1,281 @@
+"""The front door's core, free of I/O: the welcome, admission, the request table, aborts with
+ownership, the health rule, health generation's verdict, and stats.
+
+The ZMQ endpoint and the HTTP API (tokenizer_proc.frontend, tokenizer_proc.http_api) and the
+in-process engine (engine.inprocess) all drive this one object; they move bytes, it decides.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from engine.errors import (
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    Overloaded,
+    ShuttingDown,
+    Unauthorized,
+)
+from engine.messages import to_client as tc
+from engine.messages import to_tokenizer as tt
+from engine.protocol import PROTOCOL_VERSION
+from engine.sampling_params import SamplingParams
+from engine.wire_errors import to_failure
+from tokenizer_proc import prepare
+from tokenizer_proc.metrics import Metrics
+from tokenizer_proc.requests import Entry, RequestTable
+
+log = logging.getLogger("tokenizer")
+
+HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the front door needs to know about the engine behind it."""
+
+    model: str
+    vocab_size: int
+    max_context: int
+    max_in_flight: int  # running + queued: beyond it, Overloaded
+    api_key: str | None = None
+
+
+class FrontDoor:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.table = RequestTable()
+        self.counters: Counter[str] = Counter()
+        self.metrics = Metrics()
+        self.draining = False
+        self.dead = False
+        self.last_tick = time.monotonic()
+
+    # --- keys and the welcome -------------------------------------------------------------------
+
+    def key_ok(self, key: str | None) -> bool:
+        expected = self.limits.api_key
+        if not expected:
+            return True
+        # NOTE: constant time, so the key cannot be guessed byte by byte from response times.
+        return key is not None and hmac.compare_digest(key.encode(), expected.encode())
+
+    def check_key(self, key: str | None) -> None:
+        if not self.key_ok(key):
+            raise Unauthorized("missing or wrong API key (Authorization: Bearer KEY)")
+
+    def allows(self, msg: tt.FromClient, welcomed: bool) -> bool:
+        """With a key, a client is served once its Hello carried it (`welcomed`), and its
+        control messages must carry it again; Hello and Ping are always answered."""
+        if not self.limits.api_key or isinstance(msg, (tt.Hello, tt.Ping)):
+            return True
+        if isinstance(msg, (tt.GetStats, tt.ShutdownEngine)) and not self.key_ok(msg.api_key):
+            return False
+        return welcomed
+
+    def welcome(self, msg: tt.Hello) -> tc.Welcome | tc.Failure:
+        if msg.version != PROTOCOL_VERSION:
+            text = f"client speaks protocol v{msg.version}, this engine v{PROTOCOL_VERSION}"
+            return tc.Failure(msg.rid, "protocol", text + "; use a matching mlx-engine client")
+        if not self.key_ok(msg.api_key):
+            return unauthorized(msg)
+        return tc.Welcome(msg.rid, PROTOCOL_VERSION, self.limits.model, self.limits.max_context)
+
+    # --- health ---------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """The scheduler loop is alive (its heartbeat arrived, or the in-process loop ran)."""
+        self.last_tick = time.monotonic()
+
+    def health(self) -> tuple[bool, str]:
+        if self.dead or self.draining:
+            return False, "engine dead" if self.dead else "shutting down"
+        age = time.monotonic() - self.last_tick
+        if age > HEALTHY_WITHIN_S:
+            return False, f"scheduler loop silent for {age:.1f}s"
+        return True, ""
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def admit(self, msg: tt.Generate, entry: Entry) -> SamplingParams:
+        """The one admission of every request, health generations included (same counters).
+        Adds it to the table; the caller tokenizes next and ends with `forwarded` or `fail`."""
+        self.counters["requests_received"] += 1
+        try:
+            self._check_admission(msg.rid)
+            params = prepare.sampling_params(msg.params, self.limits.vocab_size)
+        except EngineError:
+            self.counters["requests_rejected"] += 1
+            raise
+        self.table.add(msg.rid, entry)
+        return params
+
+    def _check_admission(self, rid: str) -> None:
+        if self.dead:
+            raise EngineDead("an engine process died")
+        if self.draining:
+            raise ShuttingDown("the engine is shutting down")
+        if not isinstance(rid, str) or not rid or rid in self.table:
+            raise InvalidRequest("rid", f"must be a unique non-empty id, got {rid!r}")
+        if len(self.table) >= self.limits.max_in_flight:
+            raise Overloaded(f"{len(self.table)} requests in flight; retry later")
+
+    def fail(self, rid: str, error: EngineError) -> tc.Failure:
+        """An admitted request failed before it reached the scheduler (or was refused there)."""
+        self.table.pop(rid)
+        self.counters["requests_rejected"] += 1
+        return to_failure(rid, error)
+
+    def cancel(self, rid: str) -> None:
+        """The caller went away while its request was being tokenized: forget the request."""
+        self.table.pop(rid)
+
+    def forwarded(self, rid: str, entry: Entry) -> bool:
+        """Tokenized: True when it goes to the scheduler now, False when an abort came first
+        (the request is then over; the caller sends it its terminal abort chunk)."""
+        if entry.aborted:
+            self.table.pop(rid)
+            return False
+        entry.sent = True
+        return True
+
+    # --- replies --------------------------------------------------------------------------------
+
+    def on_chunk(self, chunk: tc.Chunk) -> Entry | None:
+        """Bookkeeping of one chunk from the engine; its entry (None: unknown rid, drop it)."""
+        entry = self.table.get(chunk.rid)
+        if entry is None:
+            return None
+        now = time.monotonic()
+        if chunk.token_ids:
+            self._observe_tokens(entry, len(chunk.token_ids), now)
+        if chunk.finish_reason is not None:
+            self.table.pop(chunk.rid)
+            self.counters["requests_answered"] += 1
+            self.counters[f"finish_{chunk.finish_reason}"] += 1
+            self.counters["prompt_tokens"] += chunk.prompt_tokens
+            self.metrics.e2e.observe(now - entry.admitted_at)
+            _log_finished(chunk, entry, now)
+        return entry
+
+    def _observe_tokens(self, entry: Entry, n: int, now: float) -> None:
+        if entry.first_token_at is None:
+            entry.first_token_at = now
+            self.metrics.observe_tokens(n, None, now - entry.admitted_at)
+        else:
+            self.metrics.observe_tokens(n, now - (entry.last_token_at or now), None)
+        entry.last_token_at = now
+
+    def on_failed(self, rid: str) -> Entry | None:
+        """The scheduler refused an admitted request; its entry, for the caller to answer."""
+        entry = self.table.pop(rid)
+        if entry is not None:
+            self.counters["requests_rejected"] += 1
+        return entry
+
+    # --- aborts ---------------------------------------------------------------------------------
+
+    def abort(self, rid: str, owner: Hashable | None) -> bool:
+        """Abort `rid` for `owner`; True when the scheduler must be told. An unknown (finished)
+        rid is a no-op; another client's request is refused, whatever rid is named."""
+        entry = self.table.get(rid)
+        if entry is None:
+            return False
+        if entry.owner != owner:
+            raise InvalidRequest("rid", f"request {rid!r} belongs to another client")
+        entry.aborted = True
+        return entry.sent
+
+    def owner_gone(self, owner: Hashable) -> list[str]:
+        """A client went away: its requests are aborted; returns those to abort in the scheduler."""
+        rids = self.table.of_owner(owner)
+        if rids:
+            log.info("client gone; aborting %d request(s): %s", len(rids), rids[:4])
+        to_scheduler = []
+        for rid in rids:
+            self.table.get(rid).gone = True  # type: ignore[union-attr]
+            if self.abort(rid, owner):
+                to_scheduler.append(rid)
+        return to_scheduler
+
+    def end_all(self, kind: str, reason: str = "") -> list[tuple[Entry, tc.Chunk | tc.Failure]]:
+        """Every request still in the table with its terminal message (drained or engine dead)."""
+        out: list[tuple[Entry, tc.Chunk | tc.Failure]] = []
+        for rid in self.table.rids():
+            entry = self.table.pop(rid)
+            if kind == "abort":
+                final: tc.Chunk | tc.Failure = tc.Chunk(rid, finish_reason="abort")
+            else:
+                final = tc.Failure(rid, kind, f"an engine process died: {reason}")
+            out.append((entry, final))  # type: ignore[arg-type]
+        return out
+
+    # --- stats ----------------------------------------------------------------------------------
+
+    def stats(self, scheduler: dict[str, float]) -> dict[str, float]:
+        stats = {k: float(v) for k, v in scheduler.items()}
+        stats.update({k: float(v) for k, v in self.counters.items()})
+        stats["requests_in_flight"] = float(len(self.table))
+        if "kv_tokens_in_use" in stats:
+            stats["kv_tokens_total"] = stats["kv_tokens_in_use"] + stats.get("kv_tokens_free", 0)
+        return stats
+
+    def render_metrics(self, scheduler: dict[str, float]) -> bytes:
+        return self.metrics.render(self.stats(scheduler))
+
+
+def unauthorized(msg: tt.FromClient) -> tc.Failure:
+    """The answer to a client message refused for want of the key."""
+    return tc.Failure(getattr(msg, "rid", ""), "unauthorized", NO_KEY)
+
+
+class HealthProbe:
+    """One health generation: a real one-token request through the whole engine, judged by one
+    rule (a token arrived, finish stop or length) within one deadline."""
+
+    def __init__(self) -> None:
+        self.rid = f"health-{uuid.uuid4().hex}"
+        self.deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
+        self.tokens = 0
+
+    def request(self) -> tt.Generate:
+        return tt.Generate(self.rid, input_ids=[0], params={"max_tokens": 1, "temperature": 0.0})
+
+    def feed(self, msg: tc.ToClient) -> tuple[bool, str] | None:
+        """The verdict once `msg` ends the request, else None."""
+        if isinstance(msg, tc.Failure):
+            return False, f"{msg.kind}: {msg.message}"
+        if not isinstance(msg, tc.Chunk):
+            return None
+        self.tokens += len(msg.token_ids)
+        if msg.finish_reason is None:
+            return None
+        ok = msg.finish_reason in ("stop", "length") and self.tokens > 0
+        return ok, "" if ok else f"finish_reason={msg.finish_reason}, {self.tokens} tokens"
+
+    def expired(self) -> tuple[bool, str] | None:
+        if time.monotonic() < self.deadline:
+            return None
+        return False, f"no token within {HEALTH_GENERATE_TIMEOUT_S}s"
+
+
+def _log_finished(chunk: tc.Chunk, entry: Entry, now: float) -> None:
+    first = entry.first_token_at or now
+    log.info(
+        "rid=%s finish=%s prompt=%d completion=%d ttft=%.1fms total=%.1fms",
+        chunk.rid,
+        chunk.finish_reason,
+        chunk.prompt_tokens,
+        chunk.completion_tokens,
+        (first - entry.admitted_at) * 1e3,
+        (now - entry.admitted_at) * 1e3,
+    )

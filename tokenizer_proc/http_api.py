@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP API, on the front door's asyncio loop beside the ZMQ endpoint.
+
+aiohttp serves it (docs/http_api.md says why); every request goes through the same front door
+(`Frontend.submit`, the core's admission, table and counters) as an SDK request. A client that
+disconnects, mid-stream or while waiting for a whole response, has its request aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.errors import (
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    Overloaded,
+    ShuttingDown,
+    Timeout,
+    Unauthorized,
+)
+from engine.messages import to_client as tc
+from engine.wire_errors import to_exception
+from tokenizer_proc import openai_api, tool_calls
+from tokenizer_proc.frontend import Frontend
+from tokenizer_proc.requests import Entry
+
+log = logging.getLogger("tokenizer.http")
+
+# NOTE: a context's worth of text is well under 1 MiB; 8 MiB leaves room for long chats with tools
+# and still refuses a body that only costs memory (413).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+SHUTDOWN_TIMEOUT_S = 2.0
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+# exception type -> (HTTP status, OpenAI error type, code)
+STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
+    InvalidRequest: (400, "invalid_request_error", None),
+    Unauthorized: (401, "authentication_error", "invalid_api_key"),
+    Overloaded: (429, "rate_limit_error", "overloaded"),
+    ShuttingDown: (503, "service_unavailable", "shutting_down"),
+    EngineDead: (503, "service_unavailable", "engine_dead"),
+    Timeout: (504, "timeout", None),
+}
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> bytes:
+    error = {"message": message, "type": kind, "param": param, "code": code}
+    return msgspec.json.encode({"error": error})
+
+
+def error_response(e: EngineError) -> web.Response:
+    status, kind, code = STATUS.get(type(e), (500, "server_error", None))
+    param = e.field if isinstance(e, InvalidRequest) else None
+    message = e.message if isinstance(e, InvalidRequest) else str(e)
+    return _json_response(error_body(message, kind, param, code), status)
+
+
+def _json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+class HttpApi:
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+        self.core = frontend.core
+        self.tokenizer = frontend.tokenizer
+        self.app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth]
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completion),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/health_generate", self._health_generate),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        self.runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        # NOTE: handler_cancellation: a client that disconnects cancels its handler, whose
+        # `finally` aborts the request (its KV is free within a step or two).
+        self.runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port).start()
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # --- middleware -----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error in OpenAI's format; bad input is never a 500."""
+        try:
+            return await handler(request)
+        except EngineError as e:
+            return error_response(e)
+        except web.HTTPException as e:  # 404, 405, 413 raised by aiohttp itself
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            code = "request_too_large" if e.status == 413 else None
+            return _json_response(error_body(e.reason, kind, None, code), e.status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        header = request.headers.get("Authorization", "")
+        key = header[7:].strip() if header[:7].lower() == "bearer " else None
+        self.core.check_key(key)
+        return await handler(request)
+
+    # --- OpenAI endpoints -----------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await _json_body(request)
+        limits = self.core.limits
+        rid = f"http-{uuid.uuid4().hex}"
+        req = openai_api.parse(kind, body, rid, limits.max_context, limits.model)
+        owner = ("http", rid)
+        try:
+            entry = await self.fe.submit(req.generate, owner)
+        except InvalidRequest as e:
+            raise InvalidRequest(req.renamed.get(e.field, e.field), e.message) from None
+        reply = Reply(req, openai_api.Formatter(req, self.tokenizer), self.tokenizer)
+        try:
+            if req.stream:
+                return await reply.stream(request, entry)
+            return _json_response(msgspec.json.encode(await reply.whole(entry)))
+        finally:
+            if rid in self.core.table:  # NOTE: still running: the client went away
+                log.info("rid=%s HTTP client gone; aborting", rid)
+                self.fe.abort(rid, owner)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.core.limits.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "mlx-engine",
+            "max_model_len": self.core.limits.max_context,
+        }
+        return _json_response(msgspec.json.encode({"object": "list", "data": [model]}))
+
+    # --- health and metrics ---------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return _health_response(*self.core.health())
+
+    async def _health_generate(self, request: web.Request) -> web.Response:
+        return _health_response(*await self.fe.health_generate())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = self.core.metrics.render(await self.fe.stats())
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _health_response(healthy: bool, detail: str) -> web.Response:
+    body = {"status": "ok" if healthy else "unhealthy", "detail": detail}
+    return _json_response(msgspec.json.encode(body), 200 if healthy else 503)
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()  # NOTE: raises 413 beyond client_max_size
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest("body", f"invalid JSON: {e}") from None
+
+
+class Reply:
+    """One request's replies, turned into OpenAI objects: whole, or streamed as SSE."""
+
+    def __init__(self, req: openai_api.Request, fmt: openai_api.Formatter, tokenizer: Any) -> None:
+        self.req = req
+        self.fmt = fmt
+        self.tools = tool_calls.for_request(tokenizer, req.generate.tools)
+        self.calls = 0
+
+    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
+        """The chunk's content and tool calls (the tool-call parser holds back marker text)."""
+        if self.tools is None:
+            return chunk.text, []
+        text, calls = self.tools.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            rest, more = self.tools.finish()
+            text, calls = text + rest, calls + more
+        self.calls += len(calls)
+        return text, calls
+
+    async def whole(self, entry: Entry) -> dict[str, Any]:
+        text, logprobs, calls = [], [], []
+        while True:
+            chunk = _chunk(await entry.chunks.get())  # type: ignore[union-attr]
+            piece, new_calls = self._text(chunk)
+            text.append(piece)
+            calls += new_calls
+            if (lp := self.fmt.logprobs(chunk)) is not None:
+                logprobs.append(lp)
+            if chunk.finish_reason is not None:
+                _check_finish(chunk)
+                return self.fmt.whole("".join(text), chunk, logprobs, calls)
+
+    async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
+        queue = entry.chunks
+        # NOTE: nothing is sent before the engine's first answer, so a refusal after admission
+        # (the scheduler's own queue bound, a drain that began) still gets its HTTP status.
+        first = _chunk(await queue.get())  # type: ignore[union-attr]
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        out = bytearray()
+        if self.req.kind == "chat":
+            out += _event(self.fmt.stream_chunk(role=True))
+        done = self._events(first, out)
+        while True:
+            # NOTE: one write for everything that arrived meanwhile (one syscall per batch)
+            while not done and not queue.empty():  # type: ignore[union-attr]
+                done = self._events(queue.get_nowait(), out)  # type: ignore[union-attr]
+            await resp.write(bytes(out))
+            if done:
+                break
+            out = bytearray()
+            done = self._events(await queue.get(), out)  # type: ignore[union-attr]
+        await resp.write_eof()
+        return resp
+
+    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
+        """Append the SSE events of one engine message; True when it ends the stream."""
+        if isinstance(msg, tc.Failure):
+            out += _error_event(to_exception(msg))
+            out += DONE
+            return True
+        text, calls = self._text(msg)
+        logprobs = self.fmt.logprobs(msg)
+        if text or calls or (logprobs and msg.token_ids):
+            out += _event(self.fmt.stream_chunk(text, logprobs, tool_calls=calls))
+        if msg.finish_reason is None:
+            return False
+        if msg.finish_reason in ("stop", "length"):
+            reason = openai_api.finish_reason(msg.finish_reason, self.calls > 0)
+            out += _event(self.fmt.stream_chunk(finish=reason))
+        else:
+            out += _error_event(_finish_error(msg))
+        if self.req.include_usage:
+            out += _event(self.fmt.usage_chunk(msg))
+        out += DONE
+        return True
+
+
+def _chunk(msg: tc.Chunk | tc.Failure) -> tc.Chunk:
+    if isinstance(msg, tc.Failure):
+        raise to_exception(msg)
+    return msg
+
+
+def _check_finish(chunk: tc.Chunk) -> None:
+    if chunk.finish_reason not in ("stop", "length"):
+        raise _finish_error(chunk)
+
+
+def _finish_error(chunk: tc.Chunk) -> EngineError:
+    if chunk.finish_reason == "abort":
+        return ShuttingDown("the request was aborted (the engine is shutting down)")
+    return EngineError(f"generation failed: {chunk.error or chunk.finish_reason}")
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _error_event(e: EngineError) -> bytes:
+    status, kind, code = STATUS.get(type(e), (500, "server_error", None))
+    return b"data: " + error_body(str(e), kind, None, code or status) + b"\n\n"

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the front door: latency histograms it observes itself, and the engine's
+counters and gauges (scheduler stats plus the front door's own) rendered from one snapshot.
+
+In-memory only (no I/O): `render()` returns the text format that `GET /metrics` serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "mlx_engine_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+# (metric name, stats key, help): gauges read from the stats snapshot
+GAUGES = (
+    ("requests_running", "running", "Requests in the running batch"),
+    ("requests_waiting", "waiting", "Requests admitted by the scheduler, waiting for a KV row"),
+    ("requests_in_flight", "requests_in_flight", "Requests between admission and their end"),
+    ("kv_tokens_used", "kv_tokens_in_use", "KV cache tokens held by running requests"),
+    ("kv_tokens_total", "kv_tokens_total", "KV cache capacity in tokens"),
+    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache"),
+)
+# counters read from the stats snapshot (the `_total` suffix is added by the text format)
+COUNTERS = (
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests"),
+    ("generation_tokens", "generated_tokens", "Tokens generated"),
+    ("prefill_tokens", "prefill_tokens", "Prompt tokens computed (prefix cache hits excluded)"),
+    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens reused from the cache"),
+    ("steps_launched", "steps_launched", "Model steps launched on the device"),
+    ("requests_received", "requests_received", "Generation requests received"),
+    ("requests_rejected", "requests_rejected", "Requests refused with an error"),
+)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.ttft = _histogram("time_to_first_token_seconds", "Time to first token", self)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two generated tokens of one request",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = _histogram("e2e_request_latency_seconds", "Admission to last chunk", self)
+        self._snapshot: dict[str, float] = {}
+        self.registry.register(_Snapshot(self))
+
+    def observe_tokens(self, n: int, gap: float | None, first: float | None) -> None:
+        """`n` tokens arrived `gap` seconds after the previous ones (None: the first ones,
+        `first` seconds after admission)."""
+        if gap is None:
+            if first is not None:
+                self.ttft.observe(first)
+            return
+        for _ in range(n):
+            self.itl.observe(gap / n)
+
+    def render(self, stats: dict[str, float]) -> bytes:
+        self._snapshot = stats
+        return generate_latest(self.registry)
+
+
+def _histogram(name: str, doc: str, metrics: Metrics) -> Histogram:
+    return Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=metrics.registry)
+
+
+class _Snapshot:
+    """A custom collector: every counter and gauge is read from the latest stats snapshot."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # NOTE: values come at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        stats: dict[str, Any] = self.metrics._snapshot
+        for name, key, doc in GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+        for name, key, doc in COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+        finished = CounterMetricFamily(
+            PREFIX + "requests_finished", "Requests ended, by finish reason", labels=["reason"]
+        )
+        for reason in FINISH_REASONS:
+            finished.add_metric([reason], float(stats.get(f"finish_{reason}", 0.0)))
+        yield finished

@@ -1,0 +1,324 @@
+"""OpenAI's request and response shapes, free of I/O: a request body becomes a `Generate` (or an
+`InvalidRequest` naming the field), engine chunks become completion objects and stream chunks.
+
+Every field a request may carry is listed here; any other field, or a value we cannot honour
+(`n` > 1, a JSON schema, a forced tool), is a 400 naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidRequest
+from engine.messages import to_client as tc
+from engine.messages import to_tokenizer as tt
+from engine.sampling_params import MAX_TOP_LOGPROBS
+
+# the sampling fields passed to SamplingParams under the same name
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+)
+# accepted fields that change nothing: identity strings, and neutral values of what we lack
+IGNORED = ("model", "user", "parallel_tool_calls", "store", "metadata", "service_tier")
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+}
+COMMON = {*SAMPLING, *IGNORED, *NEUTRAL, "stream", "stream_options", "max_tokens", "stop"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"}
+CHAT |= {"tool_choice"}
+COMPLETION = COMMON | {"prompt", "logprobs"}
+OPENAI_FINISH = {"stop": "stop", "length": "length"}
+
+
+@dataclass
+class Request:
+    """One parsed OpenAI request."""
+
+    kind: str  # "chat" or "completion"
+    generate: tt.Generate
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    top_logprobs: int | None = None  # None: no logprobs asked
+    renamed: dict[str, str] = field(default_factory=dict)  # engine field -> the request's name
+
+
+def parse(kind: str, body: Any, rid: str, max_context: int, model: str) -> Request:
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}  # NOTE: clients send explicit nulls
+    _check_fields(body, CHAT if kind == "chat" else COMPLETION)
+    params: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
+    req = Request(kind, tt.Generate(rid, params=params), str(body.get("model") or model))
+    _stream_options(req, body)
+    _max_tokens(req, body, params, max_context)
+    _stop(body, params)
+    _logprobs(req, body, params)
+    if kind == "chat":
+        _chat_input(req.generate, body)
+    else:
+        _completion_input(req.generate, body)
+        req.renamed["input_ids"] = "prompt"
+    return req
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    for name, value in body.items():
+        if name not in allowed:
+            raise InvalidRequest(name, "is not supported by this server")
+        if name in NEUTRAL and value not in NEUTRAL[name]:
+            raise InvalidRequest(name, f"only {NEUTRAL[name][0]!r} is supported, got {value!r}")
+
+
+def _stream_options(req: Request, body: dict[str, Any]) -> None:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream", "must be a boolean")
+    req.stream = stream
+    options = body.get("stream_options", {})
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidRequest("stream_options", "only {'include_usage': bool} is supported")
+    req.include_usage = bool(options.get("include_usage", False))
+
+
+def _max_tokens(req: Request, body: dict[str, Any], params: dict[str, Any], limit: int) -> None:
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    # NOTE: OpenAI's default is "as much as fits"; the scheduler caps it at the context left.
+    params["max_tokens"] = body.get(name, limit)
+    req.renamed["max_tokens"] = name
+
+
+def _stop(body: dict[str, Any], params: dict[str, Any]) -> None:
+    stop = body.get("stop", [])
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequest("stop", "must be a string or a list of strings")
+    if len(stop) > 4:
+        raise InvalidRequest("stop", f"at most 4 stop sequences, got {len(stop)}")
+    params["stop"] = stop
+
+
+def _logprobs(req: Request, body: dict[str, Any], params: dict[str, Any]) -> None:
+    if req.kind == "chat":
+        wanted, name = body.get("logprobs", False), "logprobs"
+        if not isinstance(wanted, bool):
+            raise InvalidRequest("logprobs", "must be a boolean")
+        top = body.get("top_logprobs", 0)
+        if "top_logprobs" in body:
+            name = "top_logprobs"
+            if not wanted:
+                raise InvalidRequest("top_logprobs", "needs logprobs: true")
+        if not wanted:
+            return
+    else:
+        if "logprobs" not in body:
+            return
+        top, name = body["logprobs"], "logprobs"
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    req.top_logprobs = top
+    params["logprobs"] = max(top, 1)  # NOTE: the engine sends the chosen token's with the top n
+    req.renamed["logprobs"] = name
+
+
+def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "must be a non-empty list")
+    gen.messages = [_message(i, m) for i, m in enumerate(messages)]
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        raise InvalidRequest("tool_choice", "only 'auto' and 'none' are supported")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+            raise InvalidRequest("tools", "must be a list of {type: function, function: {...}}")
+        gen.tools = tools if tools and choice == "auto" else None
+
+
+def _is_tool(tool: Any) -> bool:
+    return (
+        isinstance(tool, dict)
+        and tool.get("type") == "function"
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+    )
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    """One chat message as templates expect it: text content, tool call arguments as objects."""
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"messages[{i}]", "must be an object")
+    m = dict(m)
+    content = m.get("content")
+    if content is None:
+        m["content"] = ""
+    elif isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise InvalidRequest(f"messages[{i}].content", "only text parts are supported")
+        m["content"] = "".join(str(p.get("text", "")) for p in content)
+    if "tool_calls" in m:
+        m["tool_calls"] = [_tool_call_in(i, c) for c in m["tool_calls"] or []]
+    return m
+
+
+def _tool_call_in(i: int, call: Any) -> dict[str, Any]:
+    try:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            function["arguments"] = json.loads(function["arguments"] or "{}")
+    except (TypeError, KeyError, ValueError) as e:
+        raise InvalidRequest(f"messages[{i}].tool_calls", f"malformed tool call: {e}") from None
+    return {**call, "function": function}
+
+
+def _completion_input(gen: tt.Generate, body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # NOTE: a batch of one
+    if isinstance(prompt, str):
+        gen.prompt = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        gen.input_ids = prompt
+    else:
+        raise InvalidRequest("prompt", "must be a string or a list of token ids (one prompt)")
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def finish_reason(engine_reason: str, made_tool_calls: bool) -> str:
+    if made_tool_calls and engine_reason == "stop":
+        return "tool_calls"
+    return OPENAI_FINISH.get(engine_reason, engine_reason)
+
+
+def usage(final: tc.Chunk) -> dict[str, Any]:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+    }
+
+
+class Formatter:
+    """Builds one request's response objects (whole or streamed) in its API's shape."""
+
+    def __init__(self, req: Request, tokenizer: Any) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if req.kind == "chat" else "text_completion"
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.req.kind == "chat" else "")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
+
+    def logprobs(self, chunk: tc.Chunk) -> dict[str, Any] | None:
+        if self.req.top_logprobs is None:
+            return None
+        n = self.req.top_logprobs
+        pairs = list(zip(chunk.token_ids, chunk.logprobs, strict=False))
+        if self.req.kind == "chat":
+            return {"content": [self._chat_logprob(t, lp, n) for t, lp in pairs]}
+        return {
+            "tokens": [self._text(t) for t, _ in pairs],
+            "token_logprobs": [lp.logprob for _, lp in pairs],
+            "top_logprobs": [{self._text(i): v for i, v in lp.top[:n]} for _, lp in pairs],
+        }
+
+    def _chat_logprob(self, token: int, lp: Any, n: int) -> dict[str, Any]:
+        top = [self._entry(i, v) for i, v in lp.top[:n]]
+        return {**self._entry(token, lp.logprob), "top_logprobs": top}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    # --- streaming ------------------------------------------------------------------------------
+
+    def stream_chunk(
+        self,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+        finish: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        if self.req.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text or role:
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish
+        out = {**self._envelope(True), "choices": [choice]}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, final: tc.Chunk) -> dict[str, Any]:
+        return {**self._envelope(True), "choices": [], "usage": usage(final)}
+
+    # --- whole ----------------------------------------------------------------------------------
+
+    def whole(
+        self,
+        text: str,
+        final: tc.Chunk,
+        logprobs: list[dict[str, Any]],
+        tool_calls: list[dict[str, Any]],
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.req.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = [_without_index(c) for c in tool_calls]
+                message["content"] = text or None
+            choice["message"] = message
+        else:
+            choice["text"] = text
+        choice["logprobs"] = (
+            _merge_logprobs(logprobs) if self.req.top_logprobs is not None else None
+        )
+        choice["finish_reason"] = finish_reason(final.finish_reason or "stop", bool(tool_calls))
+        return {**self._envelope(False), "choices": [choice], "usage": usage(final)}
+
+
+def _without_index(call: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in call.items() if k != "index"}
+
+
+def _merge_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, values in part.items():
+            merged.setdefault(key, []).extend(values)
+    return merged

@@ -1,0 +1,101 @@
+"""Tool calls out of generated text, as it streams: text between the tokenizer's tool-call
+markers (mlx-lm's `TokenizerWrapper.tool_call_start` / `tool_call_end`) is parsed by the model's
+tool parser (`tool_parser`) into OpenAI `tool_calls`; everything else stays content.
+
+Pure and incremental: `feed()` each text delta, `finish()` at the end. Text that could still be
+the start of a marker is held back, as the detokenizer holds back stop strings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("tokenizer")
+
+Parser = Callable[[str, Any], Any]
+
+
+class ToolCallStream:
+    def __init__(self, start: str, end: str, parser: Parser, tools: list[dict[str, Any]]) -> None:
+        self.start, self.end, self.parser, self.tools = start, end, parser, tools
+        self.calls = 0  # tool calls emitted so far (their stream indexes)
+        self._buf = ""
+        self._inside = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """Content text that is final now, and the tool calls completed by `text`."""
+        self._buf += text
+        content, calls = "", []
+        while True:
+            if self._inside:
+                at = self._buf.find(self.end)
+                if at < 0:
+                    return content, calls
+                calls += self._parse(self._buf[:at])
+                self._buf = self._buf[at + len(self.end) :]
+                self._inside = False
+                continue
+            at = self._buf.find(self.start)
+            if at < 0:
+                keep = _partial_suffix(self._buf, self.start)
+                content += self._buf[: len(self._buf) - keep]
+                self._buf = self._buf[len(self._buf) - keep :]
+                return content, calls
+            content += self._buf[:at]
+            self._buf = self._buf[at + len(self.start) :]
+            self._inside = True
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is left: an unterminated call is parsed if it can be, else returned as text."""
+        rest, self._buf = self._buf, ""
+        if not self._inside:
+            return rest, []
+        self._inside = False
+        calls = self._parse(rest, quiet=True)
+        return ("", calls) if calls else (self.start + rest, [])
+
+    def _parse(self, text: str, quiet: bool = False) -> list[dict[str, Any]]:
+        try:
+            parsed = self.parser(text, self.tools)
+        except (ValueError, KeyError, TypeError) as e:
+            if not quiet:
+                log.warning("unparsable tool call (%s: %s): %.200r", type(e).__name__, e, text)
+            return []
+        out = []
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            out.append(self._format(call))
+        return out
+
+    def _format(self, call: dict[str, Any]) -> dict[str, Any]:
+        args = call.get("arguments", {})
+        formatted = {
+            "index": self.calls,
+            "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": call["name"],
+                "arguments": args if isinstance(args, str) else json.dumps(args),
+            },
+        }
+        self.calls += 1
+        return formatted
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def for_request(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCallStream | None:
+    """A stream parser when the request has tools and the model's tokenizer marks tool calls."""
+    if not tools or not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    return ToolCallStream(start, end, tokenizer.tool_parser, tools)
