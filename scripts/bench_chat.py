@@ -96,7 +96,9 @@ def run_engine(args: argparse.Namespace) -> Side:
     port = _free_port()
     cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
     cmd += ["--port", str(_free_port())] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    cmd += args.engine_args.split()
+    log = open(args.launch_log, "w") if args.launch_log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stderr=log)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -165,6 +167,8 @@ def main() -> None:
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--engine-args", default="", help="extra `mlx-engine launch` options")
+    p.add_argument("--launch-log", default=None, help="write the engine's log to this file")
     p.add_argument(
         "--peers", default="shipped,same-env", help="comma list of: shipped, same-env (or none)"
     )
