@@ -278,16 +278,16 @@ class Scheduler:
         todo = [r for r in self.slots.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
-        budget = self.prefill_budget
-        best: tuple[int, int] = (0, 0)  # (tokens, width)
-        for width in self.ladders.widths:
-            fit = todo[: max(1, budget // width)]
-            got = sum(min(_body_left(r), width) for r in fit)
-            if got > best[0]:
-                best = (got, width)
-        width = best[1]
+
+        def rows(width: int) -> list[Req]:
+            return todo[: max(1, self.prefill_budget // width)]
+
+        def tokens(width: int) -> tuple[int, int]:  # most tokens, then the narrowest
+            return sum(min(_body_left(r), width) for r in rows(width)), -width
+
+        width = max(self.ladders.widths, key=tokens)
         chunks = []
-        for req in todo[: max(1, budget // width)]:
+        for req in rows(width):
             n = min(_body_left(req), width)
             chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
             req.prefilled += n

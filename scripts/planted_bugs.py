@@ -62,6 +62,12 @@ BUGS = (
         "pos.append([start + t + 1 for t in range(n)]",
     ),
     Bug(
+        "padding written to the request's own row, not the scratch row",
+        "scheduler_proc/kv_cache.py",
+        "rows.append([row] * n + [scratch] * (self.width - n))",
+        "rows.append([row] * self.width)",
+    ),
+    Bug(
         "prefix KV not loaded into the row",
         "scheduler_proc/prefix_store.py",
         "        pool.write_row(row, kv, 0)\n",

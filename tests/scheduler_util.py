@@ -32,6 +32,18 @@ def make_scheduler(model: Any, eos: tuple[int, ...] = (), **overrides: Any) -> S
     return Scheduler(EngineConfig(**{**base, **overrides}), model, eos)
 
 
+def bucketed(sched: Scheduler, warm: bool = True) -> Scheduler:
+    """Give a CPU scheduler the GPU's bucketed shapes (padding rows, widths, key lengths), and run
+    its full warm-up, so the GPU's code path is checked here."""
+    from scheduler_proc.shapes import Ladders
+
+    pool = sched.pool
+    sched.ladders = sched.runner.ladders = Ladders.for_pool(pool.rows, pool.row_len, sched.chunk)
+    if warm:
+        sched.runner.warm_up(sched.prefill_budget, deadline_s=600.0)
+    return sched
+
+
 def count_forwards(sched: Scheduler) -> list[int]:
     """Model calls per launched step, appended to as the scheduler runs."""
     per_step: list[int] = []

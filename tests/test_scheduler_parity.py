@@ -6,6 +6,7 @@ import random
 
 import pytest
 from scheduler_util import (
+    bucketed,
     count_forwards,
     drive,
     greedy,
@@ -42,10 +43,12 @@ def qwen3(tiny_qwen3_weights_dir):
     return tiny_model(tiny_qwen3_weights_dir)
 
 
-def _check_parity(model, overlap: bool) -> None:
+def _check_parity(model, overlap: bool, buckets: bool = False) -> None:
     sched = make_scheduler(
         model, chunked_prefill_size=16, max_prefill_tokens=64, disable_overlap=not overlap
     )
+    if buckets:
+        bucketed(sched)
     forwards = count_forwards(sched)
     reqs = _workload(seed=1)
     arrivals: dict = {}
@@ -68,6 +71,12 @@ def _check_parity(model, overlap: bool) -> None:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_greedy_parity_llama(llama, overlap):
     _check_parity(llama, overlap)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_parity_with_gpu_shape_buckets_after_the_warm_up(llama, overlap):
+    """Padded rows, widths and key lengths (the GPU path) after every warm-up shape ran."""
+    _check_parity(llama, overlap, buckets=True)
 
 
 def test_greedy_parity_qwen3(qwen3):
