@@ -177,11 +177,11 @@ class _Core:
             events = dict(poller.poll(POLL_MS))
             if self._wake_r.fileno() in events:
                 self._drain_wake()
-            if monitor in events:
-                self._on_monitor(monitor)
             self._flush(sock)
             if sock in events:
                 self._receive(sock)
+            if monitor in events:
+                self._on_monitor(monitor, sock)
             self._liveness(sock)
 
     def _drain_wake(self) -> None:
@@ -191,13 +191,14 @@ class _Core:
         except (BlockingIOError, OSError):
             pass
 
-    def _on_monitor(self, monitor: zmq.Socket) -> None:
+    def _on_monitor(self, monitor: zmq.Socket, sock: zmq.Socket) -> None:
         """A dropped connection: the engine gave this client's requests up (their replies had
         nowhere to go), and the reconnected socket has a new identity, so calls waiting on the
         old one would never hear back."""
         while monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._receive(sock)  # NOTE: what arrived before the drop (last chunks) counts
                 self._fail_all(f"the connection to {self.address} was lost")
 
     def _flush(self, sock: zmq.Socket) -> None:
