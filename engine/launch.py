@@ -32,6 +32,7 @@ log = logging.getLogger("launcher")
 
 POLL_S = 0.1
 EXIT_SLACK_S = 10.0  # beyond --shutdown-grace, for the drained pipeline to flush and exit
+TEARDOWN_S = 5.0  # how long the launcher waits for killed children before it gives up
 FAIL_NOTICE_S = 2.0  # how long the tokenizer may take to tell clients the engine died
 TARGETS = {
     "scheduler": "scheduler_proc.process:run",
@@ -268,7 +269,7 @@ class Launcher:
                 log.warning("killing %s (pid %s)", name, p.pid)
                 p.kill()
         for p in self.procs.values():
-            p.join(5.0)
+            p.join(TEARDOWN_S)
         self.inbox.close()
         self.ctx.term()
         if not any(p.is_alive() for p in self.procs.values()):
