@@ -28,7 +28,7 @@ from engine.messages import to_tokenizer as tt
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import PROTOCOL_VERSION, Codec
 from engine.wire_errors import to_failure
-from tokenizer_proc import prepare
+from tokenizer_proc import limits, prepare
 from tokenizer_proc.requests import Entry, RequestTable
 
 log = logging.getLogger("tokenizer")
@@ -74,6 +74,9 @@ class Frontend:
         # which is how a lost client's requests get aborted.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, HWM)
+        # NOTE: frames beyond max_frame_bytes get a typed error; far beyond, libzmq drops the
+        # connection from the declared size, before buffering gigabytes.
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes)
         self.router.setsockopt(zmq.LINGER, LINGER_MS)
         self.router.bind(endpoints.client)
         self.inbox: AsyncPullQueue[tt.FromEngine] = AsyncPullQueue(
@@ -116,7 +119,13 @@ class Frontend:
 
     async def _on_client_frame(self, client: bytes, frame: bytes) -> None:
         try:
+            limits.check_frame(len(frame), self.config)
             msg = self._client_codec.decode(frame)
+        except (InvalidRequest, RecursionError) as e:
+            self.counters["bad_frames"] += 1
+            error = e if isinstance(e, InvalidRequest) else limits.nesting_error(self.config)
+            await self._send(client, to_failure(limits.peek_rid(frame), error))
+            return
         except msgspec.MsgspecError as e:
             self.counters["bad_frames"] += 1
             await self._send(client, _bad_frame_failure(frame, e))
@@ -182,7 +191,11 @@ class Frontend:
         """The one path of every request, health generations included (same counters)."""
         self.counters["requests_received"] += 1
         self._check_admission(msg.rid)
+        limits.check_generate(msg, self.config, self.max_context)
+        if entry.client is not None:
+            limits.check_share(self.table.count(entry.client), self.config)
         params = prepare.sampling_params(msg.params, self.vocab_size)
+        limits.check_stop(params, self.config)
         self.table.add(msg.rid, entry)
         try:
             ids = await self._tokenize(msg)
@@ -383,7 +396,9 @@ async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:
 
 
 def _chars(messages: list[dict[str, Any]] | None) -> int:
-    return sum(len(str(m.get("content", ""))) for m in messages or ())
+    # NOTE: every string counts (a huge value outside `content` templates as slowly), and each
+    # message costs the template a loop turn.
+    return limits.shape(messages, "messages")[1] + 64 * len(messages) if messages else 0
 
 
 def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:
@@ -391,6 +406,8 @@ def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:
     raw: Any = None
     try:
         raw = msgspec.msgpack.decode(frame)
+    except RecursionError:  # NOTE: too deep to decode without a type to stop it early
+        return tc.Failure(limits.peek_rid(frame), "invalid_request", str(error), "frame")
     except msgspec.MsgspecError:
         return tc.Failure("", "invalid_request", f"not a msgpack frame: {error}", "frame")
     rid = raw[1] if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) else ""

@@ -55,6 +55,9 @@ class RequestTable:
                 self._by_client.pop(entry.client, None)
         return entry
 
+    def count(self, client: bytes) -> int:
+        return len(self._by_client.get(client, ()))
+
     def of_client(self, client: bytes) -> list[str]:
         return list(self._by_client.get(client, ()))
 
