@@ -30,6 +30,7 @@ from engine.protocol import PROTOCOL_VERSION, Codec
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare
 from tokenizer_proc.requests import Entry, RequestTable
+from tokenizer_proc.trim import Trimmer
 
 log = logging.getLogger("tokenizer")
 
@@ -63,6 +64,8 @@ class Frontend:
         self.done = asyncio.Event()
         self._stats_calls: dict[str, bytes] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        self._trimmer = Trimmer(self._pool)
+        self._tasks: set[asyncio.Task[None]] = set()
         self._client_codec: Codec[tt.FromClient] = Codec(tt.FromClient)
         self._reply_codec: Codec[tc.ToClient] = Codec(tc.ToClient)
         self._open_sockets(endpoints)
@@ -118,6 +121,7 @@ class Frontend:
                 log.exception("error handling a client message")
 
     async def _on_client_frame(self, client: bytes, frame: bytes) -> None:
+        self._trimmer.saw(len(frame))
         try:
             limits.check_frame(len(frame), self.config)
             msg = self._client_codec.decode(frame)
@@ -197,16 +201,36 @@ class Frontend:
         params = prepare.sampling_params(msg.params, self.vocab_size)
         limits.check_stop(params, self.config)
         self.table.add(msg.rid, entry)
+        args = (msg, self.tokenizer, self.vocab_size, self.max_context)
+        if _needs_pool(msg):
+            # NOTE: a task, not awaited: the client loop goes on reading every other client's
+            # frames while the pool works (awaiting it here stalled all clients, ~0.7 s per
+            # 1M-character prompt).
+            task = asyncio.create_task(self._admit_pooled(msg, entry, params, args))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
         try:
-            ids = await self._tokenize(msg)
+            ids = prepare.token_ids(*args)
         except Exception as e:
             self.table.pop(msg.rid)
-            if isinstance(e, EngineError):
-                raise
-            # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
-            log.exception("rid=%s tokenization failed", msg.rid)
-            raise EngineError(f"{type(e).__name__}: {e}") from e
+            raise _typed(msg.rid, e) from e
         self._forward(msg.rid, entry, ids, params)
+
+    async def _admit_pooled(self, msg: tt.Generate, entry: Entry, params: Any, args: tuple) -> None:
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, prepare.token_ids, *args
+            )
+        except Exception as e:
+            if self.table.pop(msg.rid) is entry:
+                self.counters["requests_rejected"] += 1
+                await self._deliver(to_failure(msg.rid, _typed(msg.rid, e)), entry)
+            return
+        finally:
+            self._trimmer.saw(4 * (len(msg.prompt or "") + _chars(msg.messages)))
+        if self.table.get(msg.rid) is entry:  # NOTE: else it was ended meanwhile (shutdown)
+            self._forward(msg.rid, entry, ids, params)
 
     def _check_admission(self, rid: str) -> None:
         if self.dead:
@@ -217,14 +241,6 @@ class Frontend:
             raise InvalidRequest("rid", f"must be a unique non-empty id, got {rid!r}")
         if len(self.table) >= self.config.max_running_requests + self.config.max_queued_requests:
             raise Overloaded(f"{len(self.table)} requests in flight; retry later")
-
-    async def _tokenize(self, msg: tt.Generate) -> list[int]:
-        args = (msg, self.tokenizer, self.vocab_size, self.max_context)
-        if msg.input_ids is not None or len(msg.prompt or "") + _chars(msg.messages) < INLINE_CHARS:
-            return prepare.token_ids(*args)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, prepare.token_ids, *args
-        )
 
     def _forward(self, rid: str, entry: Entry, ids: list[int], params: Any) -> None:
         if entry.aborted:
@@ -393,6 +409,18 @@ async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:
     while not event.is_set():
         await asyncio.sleep(0.2)
     done.set()
+
+
+def _needs_pool(msg: tt.Generate) -> bool:
+    return msg.input_ids is None and len(msg.prompt or "") + _chars(msg.messages) >= INLINE_CHARS
+
+
+def _typed(rid: str, error: Exception) -> EngineError:
+    if isinstance(error, EngineError):
+        return error
+    # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
+    log.error("rid=%s tokenization failed", rid, exc_info=error)
+    return EngineError(f"{type(error).__name__}: {error}")
 
 
 def _chars(messages: list[dict[str, Any]] | None) -> int:
