@@ -255,7 +255,7 @@ class _Core:
         if broken:
             self.broken = self.broken or reason
         if self.sinks:
-            log.error("engine unreachable: %s", reason)
+            log.error("failing %d waiting call(s): %s", len(self.sinks), reason)
         self.dead = reason
         for rid in list(self.sinks):
             sink = self.sinks.pop(rid, None)

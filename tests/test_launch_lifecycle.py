@@ -139,29 +139,27 @@ def test_the_launcher_exits_after_every_process_it_started(tiny_model_dir, tmp_p
     launch = [sys.executable, "-m", "engine.cli", "launch", "--model", str(tiny_model_dir)]
     launch += ["--zmq-port", str(port), "--shutdown-grace", "1", *SMALL_POOL]
     wrapper = subprocess.run(
-        [sys.executable, "-c", SUBREAPER, json.dumps(launch), f"tcp://127.0.0.1:{port}"],
+        [sys.executable, "-c", SUBREAPER, json.dumps(launch)],
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert wrapper.returncode == 0, wrapper.stderr[-3000:]
     report = json.loads(wrapper.stdout.splitlines()[-1])
-    assert report["launcher_exit"] == 0 and report["left_behind"] == [], report
+    ok = report["launcher_exit"] == 0 and report["left_behind"] == []
+    assert ok, (report, wrapper.stderr[-3000:])
 
 
 SUBREAPER = r"""
-import ctypes, json, os, signal, subprocess, sys, time
+import ctypes, json, os, signal, subprocess, sys, tempfile, time
 import psutil
-from engine.client import EngineClient
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-launcher = subprocess.Popen(json.loads(sys.argv[1]), stderr=subprocess.DEVNULL)
+log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+launcher = subprocess.Popen(json.loads(sys.argv[1]), stderr=log)
 deadline = time.monotonic() + 60
-while True:
-    try:
-        EngineClient(sys.argv[2], connect_timeout=1.0).close()
-        break
-    except Exception:
-        assert time.monotonic() < deadline, "engine did not start"
+while "engine ready" not in open(log.name).read():  # NOTE: not while it is still starting
+    assert launcher.poll() is None and time.monotonic() < deadline, open(log.name).read()
+    time.sleep(0.1)
 started = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
 launcher.send_signal(signal.SIGTERM)
 code = launcher.wait(30)
@@ -169,6 +167,8 @@ left = [(p.pid, p.name(), p.status()) for p in psutil.Process().children(recursi
 for pid, _, _ in left:
     os.kill(pid, signal.SIGKILL)
 print(json.dumps({"launcher_exit": code, "started": started, "left_behind": left}))
+if code != 0:
+    print(open(log.name).read(), file=sys.stderr)
 """
 
 
