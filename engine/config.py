@@ -49,6 +49,11 @@ class EngineConfig:
     client_share: float = _opt(
         0.5, "Fraction of admission (running + queued requests) one client connection may hold"
     )
+    client_timeout: float = _opt(
+        30.0,
+        "Seconds a client connection may stay silent (stopped, unplugged) before it is "
+        "dropped and its requests aborted",
+    )
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
     startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
@@ -79,6 +84,8 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.client_timeout <= 0:
+            raise ValueError(f"client_timeout must be > 0, got {self.client_timeout}")
         if not 0.0 < self.client_share <= 1.0:
             raise ValueError(f"client_share must be in (0, 1], got {self.client_share}")
         if self.startup_timeout <= 0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,7 +33,8 @@ SMALL_POOL = ("--max-total-tokens", "8192", "--context-length", "1024")
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory):
     log = tmp_path_factory.mktemp("sdk") / "launch.log"
-    launched = LaunchedEngine(tiny_model_dir, log, *SMALL_POOL, "--shutdown-grace", "1")
+    extra = ("--shutdown-grace", "1", "--client-timeout", "1.5")
+    launched = LaunchedEngine(tiny_model_dir, log, *SMALL_POOL, *extra)
     yield launched.wait_ready()
     launched.stop()
 
@@ -173,3 +176,34 @@ def test_a_client_recovers_when_a_paused_engine_comes_back(engine, client):
     assert paused.generate(input_ids=[1], max_tokens=2, ignore_eos=True).finish_reason == "length"
     assert _in_flight_drops_to_zero(client, 10), "the paused client's request was never aborted"
     paused.close()
+
+
+STOPPED_CLIENT = """
+import sys, time
+from engine.client import EngineClient
+c = EngineClient(sys.argv[1])
+streams = [c.stream(input_ids=[i + 1, 4], max_tokens=1000, ignore_eos=True) for i in range(3)]
+[next(s) for s in streams]
+print("streaming", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_engine_aborts_the_requests_of_a_stopped_client(engine, client):
+    """A client stopped mid-stream (SIGSTOP: its TCP connection stays open) misses the ROUTER's
+    heartbeats; after --client-timeout its connection is dropped and its requests aborted."""
+    before = client.stats().get("finish_abort", 0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STOPPED_CLIENT, engine.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "streaming"
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 8
+        while client.stats().get("finish_abort", 0) < before + 3:
+            assert time.monotonic() < deadline, "a stopped client's requests kept running"
+            time.sleep(0.1)
+        assert _in_flight_drops_to_zero(client, 5)
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -38,6 +38,7 @@ HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 # NOTE: short inputs tokenize in tens of microseconds; a thread hop would cost more than it saves.
 INLINE_CHARS = 2048
+HEARTBEAT_IVL_MS = 1000
 _CLIENT_TYPES = {cls.__name__: cls for cls in tt.FromClient.__args__}
 
 
@@ -80,6 +81,12 @@ class Frontend:
         # NOTE: frames beyond max_frame_bytes get a typed error; far beyond, libzmq drops the
         # connection from the declared size, before buffering gigabytes.
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes)
+        # NOTE: ZMTP heartbeats, answered by the peer's libzmq thread: only a client that is
+        # gone without closing (stopped, unplugged) misses them; its connection is dropped, the
+        # next send to it fails, and its requests are aborted.
+        timeout_ms = int(self.config.client_timeout * 1000)
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_IVL_MS, max(1, timeout_ms // 2)))
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         self.router.setsockopt(zmq.LINGER, LINGER_MS)
         self.router.bind(endpoints.client)
         self.inbox: AsyncPullQueue[tt.FromEngine] = AsyncPullQueue(
