@@ -39,6 +39,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 # NOTE: short inputs tokenize in tens of microseconds; a thread hop would cost more than it saves.
 INLINE_CHARS = 2048
 HEARTBEAT_IVL_MS = 1000
+YIELD_EVERY_S = 0.005
 _CLIENT_TYPES = {cls.__name__: cls for cls in tt.FromClient.__args__}
 
 
@@ -120,12 +121,20 @@ class Frontend:
     # --- client side ----------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        turn = loop.time()
         while True:
             frames = await self.router.recv_multipart()
             try:
                 await self._on_client_frame(frames[0], frames[-1])
             except Exception:  # NOTE: one bad client never takes the front door down
                 log.exception("error handling a client message")
+            # NOTE: awaiting a frame that is already there does not yield to the event loop, so
+            # a flood of frames would keep the engine side from delivering chunks; give the
+            # other tasks a turn every few milliseconds of back-to-back frames.
+            if loop.time() - turn > YIELD_EVERY_S:
+                await asyncio.sleep(0)
+                turn = loop.time()
 
     async def _on_client_frame(self, client: bytes, frame: bytes) -> None:
         self._trimmer.saw(len(frame))
@@ -202,18 +211,18 @@ class Frontend:
         """The one path of every request, health generations included (same counters)."""
         self.counters["requests_received"] += 1
         self._check_admission(msg.rid)
-        limits.check_generate(msg, self.config, self.max_context)
+        chars = limits.check_generate(msg, self.config, self.max_context)
         if entry.client is not None:
             limits.check_share(self.table.count(entry.client), self.config)
         params = prepare.sampling_params(msg.params, self.vocab_size)
         limits.check_stop(params, self.config)
         self.table.add(msg.rid, entry)
         args = (msg, self.tokenizer, self.vocab_size, self.max_context)
-        if _needs_pool(msg):
+        if _needs_pool(msg, chars):
             # NOTE: a task, not awaited: the client loop goes on reading every other client's
             # frames while the pool works (awaiting it here stalled all clients, ~0.7 s per
             # 1M-character prompt).
-            task = asyncio.create_task(self._admit_pooled(msg, entry, params, args))
+            task = asyncio.create_task(self._admit_pooled(msg, entry, params, args, chars))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             return
@@ -224,7 +233,9 @@ class Frontend:
             raise _typed(msg.rid, e) from e
         self._forward(msg.rid, entry, ids, params)
 
-    async def _admit_pooled(self, msg: tt.Generate, entry: Entry, params: Any, args: tuple) -> None:
+    async def _admit_pooled(
+        self, msg: tt.Generate, entry: Entry, params: Any, args: tuple, chars: int
+    ) -> None:
         try:
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._pool, prepare.token_ids, *args
@@ -235,7 +246,7 @@ class Frontend:
                 await self._deliver(to_failure(msg.rid, _typed(msg.rid, e)), entry)
             return
         finally:
-            self._trimmer.saw(4 * (len(msg.prompt or "") + _chars(msg.messages)))
+            self._trimmer.saw(4 * chars)  # NOTE: up to 4 bytes per character
         if self.table.get(msg.rid) is entry:  # NOTE: else it was ended meanwhile (shutdown)
             self._forward(msg.rid, entry, ids, params)
 
@@ -418,8 +429,11 @@ async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:
     done.set()
 
 
-def _needs_pool(msg: tt.Generate) -> bool:
-    return msg.input_ids is None and len(msg.prompt or "") + _chars(msg.messages) >= INLINE_CHARS
+def _needs_pool(msg: tt.Generate, chars: int) -> bool:
+    # NOTE: every string counts (a huge value outside `content` templates as slowly), and each
+    # message costs the template a loop turn.
+    work = chars + 64 * len(msg.messages or ())
+    return msg.input_ids is None and work >= INLINE_CHARS
 
 
 def _typed(rid: str, error: Exception) -> EngineError:
@@ -428,12 +442,6 @@ def _typed(rid: str, error: Exception) -> EngineError:
     # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
     log.error("rid=%s tokenization failed", rid, exc_info=error)
     return EngineError(f"{type(error).__name__}: {error}")
-
-
-def _chars(messages: list[dict[str, Any]] | None) -> int:
-    # NOTE: every string counts (a huge value outside `content` templates as slowly), and each
-    # message costs the template a loop turn.
-    return limits.shape(messages, "messages")[1] + 64 * len(messages) if messages else 0
 
 
 def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:

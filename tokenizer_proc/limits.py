@@ -15,9 +15,9 @@ from engine.errors import InvalidRequest, Overloaded
 from engine.messages.to_tokenizer import Generate
 from engine.sampling_params import SamplingParams
 
-# NOTE: a chat request has tens of values, a large tool schema thousands; walking more would hold
-# the front door's loop (a million-element list takes about a second).
-MAX_VALUES = 100_000
+# NOTE: a chat request has tens of values, a large tool schema thousands; the walk costs ~1 us per
+# value on the front door's loop, so more is refused (a million-element list took a second).
+MAX_VALUES = 20_000
 
 
 def _limit(field: str, what: str, option: str, value: int | float) -> InvalidRequest:
@@ -35,8 +35,9 @@ def nesting_error(config: EngineConfig) -> InvalidRequest:
     return _limit("frame", "nesting", "max_nesting_depth", config.max_nesting_depth)
 
 
-def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> None:
-    """Counts, characters and nesting of a request, before anything walks it slowly."""
+def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> int:
+    """Counts, characters and nesting of a request, before anything walks it slowly; returns
+    the characters of its text (the prompt, or every string of its messages)."""
     if msg.prompt is not None and len(msg.prompt) > config.max_prompt_chars:
         raise _limit(
             "prompt", f"{len(msg.prompt)} characters", "max_prompt_chars", config.max_prompt_chars
@@ -45,15 +46,15 @@ def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> Non
         # NOTE: before the ids are scanned one by one; text prompts are checked once tokenized.
         n = len(msg.input_ids)
         raise InvalidRequest("input_ids", f"{n} prompt tokens; the context holds {max_context}")
-    if msg.messages is not None:
-        _check_messages(msg.messages, config)
+    chars = _check_messages(msg.messages, config) if msg.messages is not None else 0
     depth, _ = shape(msg.params, "params")
     if depth > config.max_nesting_depth:
         limit = config.max_nesting_depth
         raise _limit("params", f"nesting depth {depth}", "max_nesting_depth", limit)
+    return chars + len(msg.prompt or "")
 
 
-def _check_messages(messages: list[Any], config: EngineConfig) -> None:
+def _check_messages(messages: list[Any], config: EngineConfig) -> int:
     if len(messages) > config.max_messages:
         raise _limit("messages", f"{len(messages)} messages", "max_messages", config.max_messages)
     depth, chars = shape(messages, "messages")
@@ -63,6 +64,7 @@ def _check_messages(messages: list[Any], config: EngineConfig) -> None:
     if chars > config.max_prompt_chars:
         limit = config.max_prompt_chars
         raise _limit("messages", f"{chars} characters", "max_prompt_chars", limit)
+    return chars
 
 
 def shape(value: Any, field: str) -> tuple[int, int]:
