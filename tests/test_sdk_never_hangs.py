@@ -33,7 +33,7 @@ SMALL_POOL = ("--max-total-tokens", "8192", "--context-length", "1024")
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory):
     log = tmp_path_factory.mktemp("sdk") / "launch.log"
-    extra = ("--shutdown-grace", "1", "--client-timeout", "1.5")
+    extra = ("--shutdown-grace", "1", "--client-timeout", "1.0")
     launched = LaunchedEngine(tiny_model_dir, log, *SMALL_POOL, *extra)
     yield launched.wait_ready()
     launched.stop()
@@ -191,7 +191,7 @@ time.sleep(120)
 
 def test_the_engine_aborts_the_requests_of_a_stopped_client(engine, client):
     """A client stopped mid-stream (SIGSTOP: its TCP connection stays open) misses the ROUTER's
-    heartbeats; after --client-timeout its connection is dropped and its requests aborted."""
+    heartbeats; after --client-timeout (1 s here) its connection is dropped and its requests aborted."""
     before = client.stats().get("finish_abort", 0)
     proc = subprocess.Popen(
         [sys.executable, "-c", STOPPED_CLIENT, engine.address], stdout=subprocess.PIPE, text=True

@@ -48,8 +48,9 @@ class Supervised:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         options = ["--model", str(model_dir), "--zmq-port", str(self.port)]
-        options += ["--shutdown-grace", str(GRACE_S), "--max-total-tokens", "8192"]
-        options += ["--context-length", "1024", "--name", "engine", "--log-dir", str(tmp)]
+        # NOTE: a context long enough that no stream ends by itself during the test.
+        options += ["--shutdown-grace", str(GRACE_S), "--max-total-tokens", "32768"]
+        options += ["--context-length", "4096", "--name", "engine", "--log-dir", str(tmp)]
         section = subprocess.run(
             [sys.executable, "-m", "engine.cli", "supervisor-conf", *options, "--startsecs", "3"],
             capture_output=True,
