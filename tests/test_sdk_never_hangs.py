@@ -191,7 +191,8 @@ time.sleep(120)
 
 def test_the_engine_aborts_the_requests_of_a_stopped_client(engine, client):
     """A client stopped mid-stream (SIGSTOP: its TCP connection stays open) misses the ROUTER's
-    heartbeats; after --client-timeout (1 s here) its connection is dropped and its requests aborted."""
+    heartbeats; after --client-timeout (1 s here) its connection is dropped and its requests
+    aborted."""
     before = client.stats().get("finish_abort", 0)
     proc = subprocess.Popen(
         [sys.executable, "-c", STOPPED_CLIENT, engine.address], stdout=subprocess.PIPE, text=True
