@@ -20,25 +20,10 @@ def _section(text: str) -> dict[str, str]:
 
 
 def test_the_section_runs_launch_with_the_options_given(tmp_path):
+    options = f"--name engine --log-dir {tmp_path} --zmq-port 31001 --shutdown-grace 20"
+    cmd = [sys.executable, "-m", "engine.cli", "supervisor-conf", *options.split()]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine.cli",
-            "supervisor-conf",
-            "--name",
-            "engine",
-            "--log-dir",
-            str(tmp_path),
-            "--zmq-port",
-            "31001",
-            "--shutdown-grace",
-            "20",
-            "--disable-overlap",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        check=True,
+        [*cmd, "--disable-overlap"], capture_output=True, text=True, check=True
     ).stdout
     section = _section(out)
     args = shlex.split(section["command"])
