@@ -130,13 +130,13 @@ def _count(n: int, size: int, what: str) -> int:
     return n
 
 
-def _value(r: _Reader, kind: int, key: str) -> object:
+def _value(r: _Reader, kind: int, key: str, depth: int = 0) -> object:
     if kind in _SCALARS:
         return r.unpack(_SCALARS[kind], key)
     if kind == _STRING:
         return r.string(key)
-    if kind != _ARRAY:
-        raise ModelError(f"metadata {key!r} has unknown type {kind}")
+    if kind != _ARRAY or depth >= MAX_DIMS:
+        raise ModelError(f"metadata {key!r} has unknown type {kind} (or arrays nested too deep)")
     item = int(r.unpack("I", f"item type of {key}"))
     n = _count(int(r.unpack("Q", f"length of {key}")), r.size, f"items of {key!r}")
     if item in _SCALARS:
@@ -145,7 +145,8 @@ def _value(r: _Reader, kind: int, key: str) -> object:
         for _ in range(n):
             r.skip(int(r.unpack("Q", key)), key)
     else:
-        raise ModelError(f"metadata {key!r} is an array of unsupported type {item}")
+        for _ in range(n):
+            _value(r, item, key, depth + 1)
     return None
 
 

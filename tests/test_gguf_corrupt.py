@@ -72,3 +72,20 @@ def test_the_default_model_passes_the_check(default_model_dir):
     from engine.models import default_gguf_path
 
     check_gguf(default_gguf_path())
+
+
+def test_nested_metadata_arrays_are_walked(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "nested.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.nested", [[1, 2], [3, 4, 5], ["a", "b"]])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    check_gguf(path)
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(ModelError, match="extends past the end"):
+        check_gguf(path)
