@@ -37,6 +37,7 @@ log = logging.getLogger("engine.client")
 Sink = Callable[[tc.ToClient], None]
 PING_EVERY_S = 0.5
 POLL_MS = 100
+DROP_GRACE_S = 1.0
 _ENCODER = msgspec.msgpack.Encoder()
 # NOTE: what msgspec raises for a value msgpack cannot carry: a lone surrogate (UnicodeEncodeError,
 # a ValueError), an int beyond 64 bits (OverflowError), a numpy array or scalar (TypeError).
@@ -173,6 +174,7 @@ class _Core:
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         self._heard = self._pinged = time.monotonic()
+        self._dropped: list[tuple[float, set[str]]] = []  # (when to fail, rids waiting then)
         while not self._stopping:
             events = dict(poller.poll(POLL_MS))
             if self._wake_r.fileno() in events:
@@ -181,7 +183,8 @@ class _Core:
             if sock in events:
                 self._receive(sock)
             if monitor in events:
-                self._on_monitor(monitor, sock)
+                self._on_monitor(monitor)
+            self._fail_dropped()
             self._liveness(sock)
 
     def _drain_wake(self) -> None:
@@ -191,15 +194,22 @@ class _Core:
         except (BlockingIOError, OSError):
             pass
 
-    def _on_monitor(self, monitor: zmq.Socket, sock: zmq.Socket) -> None:
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
         """A dropped connection: the engine gave this client's requests up (their replies had
         nowhere to go), and the reconnected socket has a new identity, so calls waiting on the
-        old one would never hear back."""
+        old one would never hear back. They fail DROP_GRACE_S later: what the engine sent just
+        before closing (a graceful shutdown's last chunks) can surface after the event."""
         while monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._receive(sock)  # NOTE: what arrived before the drop (last chunks) counts
-                self._fail_all(f"the connection to {self.address} was lost")
+                self._dropped.append((time.monotonic() + DROP_GRACE_S, set(self.sinks)))
+
+    def _fail_dropped(self) -> None:
+        now = time.monotonic()
+        while self._dropped and self._dropped[0][0] <= now:
+            _, rids = self._dropped.pop(0)
+            reason = f"the connection to {self.address} was lost"
+            self._fail_all(reason, only=rids)
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self._outbox:
@@ -250,14 +260,16 @@ class _Core:
         except zmq.Again:
             pass
 
-    def _fail_all(self, reason: str, broken: bool = False) -> None:
-        """Fail every waiting call with `EngineDead`, once each (their sinks are removed)."""
+    def _fail_all(self, reason: str, broken: bool = False, only: set[str] | None = None) -> None:
+        """Fail every waiting call (or those in `only`) with `EngineDead`, once each (their
+        sinks are removed)."""
         if broken:
             self.broken = self.broken or reason
-        if self.sinks:
-            log.error("failing %d waiting call(s): %s", len(self.sinks), reason)
+        rids = [r for r in self.sinks if only is None or r in only]
+        if rids:
+            log.error("failing %d waiting call(s): %s", len(rids), reason)
         self.dead = reason
-        for rid in list(self.sinks):
+        for rid in rids:
             sink = self.sinks.pop(rid, None)
             try:
                 if sink is not None:

@@ -117,6 +117,11 @@ class Frontend:
         self.router.close()
         self.inbox.close()
         self.to_scheduler.close()
+        # NOTE: term() waits (up to the sockets' linger) until queued replies are on the wire;
+        # pyzmq skips it at interpreter exit, so without it the last chunks of a graceful
+        # shutdown could be lost with the process (seen under load: streams got EngineDead).
+        self._actx.term()
+        self._sctx.term()
 
     # --- client side ----------------------------------------------------------------------------
 
