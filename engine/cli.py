@@ -1,4 +1,4 @@
-"""`mlx-engine` command line: launch, convert (and later bench)."""
+"""`mlx-engine` command line: launch, supervisor-conf, convert (and later bench)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,28 @@ def launch(**options: Any) -> None:
         click.echo("mlx-engine launch: the multi-process engine is not available yet", err=True)
         sys.exit(2)
     sys.exit(run_engine(config))
+
+
+@main.command("supervisor-conf")
+@_config_options
+@click.option("--name", default="mlx-engine", show_default=True, help="supervisord program name")
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/var/log/mlx-engine"),
+    show_default=True,
+    help="Directory of the engine's log file (rotated by supervisord)",
+)
+@click.option("--startsecs", type=int, default=10, show_default=True, help="supervisord startsecs")
+def supervisor_conf(name: str, log_dir: Path, startsecs: int, **options: Any) -> None:
+    """Print a supervisord [program] section that runs `launch` with these options."""
+    from engine.supervisor_conf import program_section
+
+    try:
+        config = EngineConfig(**options).validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    click.echo(program_section(config, name, log_dir, startsecs), nl=False)
 
 
 @main.command()

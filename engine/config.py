@@ -54,6 +54,22 @@ class EngineConfig:
         "auto", "Run every bucketed step shape once before READY: auto (on a GPU), on, off"
     )
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
+    max_frame_bytes: int = _opt(
+        8 << 20, "Largest client frame (bytes); 4x this drops the connection"
+    )
+    max_prompt_chars: int = _opt(1_000_000, "Most characters in a prompt or in all its messages")
+    max_messages: int = _opt(1024, "Most chat messages in one request")
+    max_stop_strings: int = _opt(16, "Most stop strings (and stop token ids) per request")
+    max_stop_chars: int = _opt(256, "Longest stop string (characters)")
+    max_nesting_depth: int = _opt(32, "Deepest nesting of lists and maps in messages and params")
+    client_share: float = _opt(
+        0.5, "Fraction of admission (running + queued requests) one client connection may hold"
+    )
+    client_timeout: float = _opt(
+        30.0,
+        "Seconds a client connection may stay silent (stopped, unplugged) before it is "
+        "dropped and its requests aborted",
+    )
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
     startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
@@ -63,7 +79,17 @@ class EngineConfig:
 
     def validate(self) -> EngineConfig:
         # NOTE: max_queued_requests 0 would refuse every request as Overloaded.
-        for name in ("max_running_requests", "max_queued_requests"):
+        positive = (
+            "max_running_requests",
+            "max_queued_requests",
+            "max_frame_bytes",
+            "max_prompt_chars",
+            "max_messages",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_nesting_depth",
+        )
+        for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("chunked_prefill_size", "max_prefill_tokens"):  # NOTE: 0 is "auto"
@@ -75,6 +101,10 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.client_timeout <= 0:
+            raise ValueError(f"client_timeout must be > 0, got {self.client_timeout}")
+        if not 0.0 < self.client_share <= 1.0:
+            raise ValueError(f"client_share must be in (0, 1], got {self.client_share}")
         if self.startup_timeout <= 0:
             raise ValueError("startup_timeout must be > 0")
         if self.shutdown_grace < 0:

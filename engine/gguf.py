@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import ModelError
+from engine.gguf_check import check_gguf
 from engine.gguf_tokenizer import write_tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -93,6 +94,8 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ModelError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    # NOTE: MLX trusts the header; a corrupt one crashes the process inside mx.load (SIGSEGV).
+    check_gguf(path)
     try:
         return mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from engine.transport import Sink
+from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import prepare
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
@@ -71,12 +71,14 @@ class InProcessTransport:
     # --- the transport interface ----------------------------------------------------------------
 
     def register(self, rid: str, sink: Sink) -> None:
-        self.sinks[rid] = sink
+        register_sink(self.sinks, rid, sink)
 
     def unregister(self, rid: str) -> None:
         self.sinks.pop(rid, None)
 
     def send(self, msg: tt.FromClient) -> None:
+        # NOTE: the same InvalidRequest as over the wire for an argument it cannot carry.
+        encode_request(msg)
         if self.dead is not None:
             raise EngineDead(self.dead)
         self._inbox.put(msg)

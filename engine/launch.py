@@ -4,11 +4,13 @@ happened: 0 after a graceful shutdown, 1 when a child failed or had to be killed
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -30,6 +32,7 @@ log = logging.getLogger("launcher")
 
 POLL_S = 0.1
 EXIT_SLACK_S = 10.0  # beyond --shutdown-grace, for the drained pipeline to flush and exit
+TEARDOWN_S = 5.0  # how long the launcher waits for killed children before it gives up
 FAIL_NOTICE_S = 2.0  # how long the tokenizer may take to tell clients the engine died
 TARGETS = {
     "scheduler": "scheduler_proc.process:run",
@@ -44,8 +47,53 @@ def run_engine(config: EngineConfig) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s launcher[%(process)d] %(levelname)s %(message)s",
     )
+    busy = _port_in_use(config.host, config.zmq_port)
+    if busy:
+        # NOTE: before anything starts: a busy port must not cost a model load (minutes for a
+        # large model) to be found out.
+        log.error("cannot serve on tcp://%s:%d: %s", config.host, config.zmq_port, busy)
+        return 1
     with _private_dir() as run_dir:
         return Launcher(config, run_dir).run()
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why the client endpoint cannot be bound (address in use, unknown host), else None.
+
+    NOTE: a probe with SO_REUSEADDR, as libzmq binds: a port held only by TIME_WAIT connections
+    is free for it. The tokenizer still reports a port taken between this probe and its bind.
+    """
+    try:
+        infos = socket.getaddrinfo(
+            None if host in ("*", "") else host,
+            port,
+            type=socket.SOCK_STREAM,
+            flags=socket.AI_PASSIVE,
+        )
+        family, kind, proto, _, addr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(addr)
+            probe.listen(1)
+    except OSError as e:
+        reason = "address already in use" if e.errno == errno.EADDRINUSE else str(e)
+        return f"{reason} ({type(e).__name__})"
+    return None
+
+
+def _stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker, started by the first spawn, and reap it.
+
+    NOTE: it exits by itself only once every holder of its pipe has, which is after the
+    launcher: a supervisor would see the launcher gone while a process it started still runs.
+    Called only when every child has exited (the tracker waits for them to let go of its pipe).
+    """
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    stop = getattr(tracker, "_stop", None)  # NOTE: private, present since Python 3.8
+    if stop is not None and getattr(tracker, "_pid", None) is not None:
+        stop()
 
 
 @contextmanager
@@ -222,6 +270,8 @@ class Launcher:
                 log.warning("killing %s (pid %s)", name, p.pid)
                 p.kill()
         for p in self.procs.values():
-            p.join(5.0)
+            p.join(TEARDOWN_S)
         self.inbox.close()
         self.ctx.term()
+        if not any(p.is_alive() for p in self.procs.values()):
+            _stop_resource_tracker()

@@ -271,7 +271,10 @@ def main() -> None:
     model, eos = load_for_scheduler(path, config)
     vocab = probe_model(model)[1]
     skip = set(args.skip.split(","))
-    print(info.describe(), f"| model {args.random or args.model or 'default SmolLM2-135M'} | vocab {vocab}")
+    print(
+        info.describe(),
+        f"| model {args.random or args.model or 'default SmolLM2-135M'} | vocab {vocab}",
+    )
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wl = make_workload(args, vocab, 0.0)
     warm = Workload(wl.prompts[:2], [4, 4], [0.0, 0.0])

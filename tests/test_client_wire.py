@@ -29,6 +29,7 @@ LONG = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
 def engine(tiny_model_dir: Path, tmp_path_factory):
     log = tmp_path_factory.mktemp("wire") / "launch.log"
     extra = ("--max-running-requests", "4", "--max-queued-requests", "4", "--shutdown-grace", "1")
+    extra += ("--client-share", "1.0")  # NOTE: one client here fills the whole engine
     launched = LaunchedEngine(tiny_model_dir, log, *extra).wait_ready()
     yield launched
     launched.stop()

@@ -3,20 +3,31 @@ that cannot start, a second signal, and a launcher that dies under its children.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from engine_harness import LaunchedEngine, alive, bounded, kill_quietly, wait_gone  # noqa: F401
+from engine_harness import (  # noqa: F401
+    LaunchedEngine,
+    alive,
+    bounded,
+    free_port,
+    kill_quietly,
+    wait_gone,
+)
 
 from engine.client import EngineClient
 from engine.errors import EngineDead, ShuttingDown
 
 pytestmark = pytest.mark.usefixtures("bounded")
 LONG = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
+SMALL_POOL = ("--max-total-tokens", "8192", "--context-length", "1024")
 
 
 @pytest.fixture
@@ -106,7 +117,7 @@ def test_child_that_cannot_start_is_reported(launch, tiny_model_dir, tmp_path):
         engine.stop()
 
 
-def test_port_in_use_is_reported(tiny_model_dir, tmp_path):
+def test_port_in_use_fails_fast_before_the_model_loads(tiny_model_dir, tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -114,9 +125,51 @@ def test_port_in_use_is_reported(tiny_model_dir, tmp_path):
         engine = LaunchedEngine(tiny_model_dir, tmp_path / "busy.log", "--zmq-port", port)
         try:
             assert engine.wait(timeout=60) != 0
-            assert "tokenizer failed to start" in engine.log() and "in use" in engine.log()
+            assert "address already in use" in engine.log() and port in engine.log()
+            assert "scheduler" not in engine.log(), "the model was loaded before the bind"
         finally:
             engine.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER")
+def test_the_launcher_exits_after_every_process_it_started(tiny_model_dir, tmp_path):
+    """Run the launcher under a subreaper: whatever it started and left behind (the resource
+    tracker of multiprocessing was one) is re-parented to the subreaper instead of vanishing."""
+    port = free_port()
+    launch = [sys.executable, "-m", "engine.cli", "launch", "--model", str(tiny_model_dir)]
+    launch += ["--zmq-port", str(port), "--shutdown-grace", "1", *SMALL_POOL]
+    wrapper = subprocess.run(
+        [sys.executable, "-c", SUBREAPER, json.dumps(launch)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert wrapper.returncode == 0, wrapper.stderr[-3000:]
+    report = json.loads(wrapper.stdout.splitlines()[-1])
+    ok = report["launcher_exit"] == 0 and report["left_behind"] == []
+    assert ok, (report, wrapper.stderr[-3000:])
+
+
+SUBREAPER = r"""
+import ctypes, json, os, signal, subprocess, sys, tempfile, time
+import psutil
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+launcher = subprocess.Popen(json.loads(sys.argv[1]), stderr=log)
+deadline = time.monotonic() + 60
+while "engine ready" not in open(log.name).read():  # NOTE: not while it is still starting
+    assert launcher.poll() is None and time.monotonic() < deadline, open(log.name).read()
+    time.sleep(0.1)
+started = [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+launcher.send_signal(signal.SIGTERM)
+code = launcher.wait(30)
+left = [(p.pid, p.name(), p.status()) for p in psutil.Process().children(recursive=True)]
+for pid, _, _ in left:
+    os.kill(pid, signal.SIGKILL)
+print(json.dumps({"launcher_exit": code, "started": started, "left_behind": left}))
+if code != 0:
+    print(open(log.name).read(), file=sys.stderr)
+"""
 
 
 def test_second_signal_forces_a_fast_exit(launch):

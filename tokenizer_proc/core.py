@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from engine.errors import (
@@ -106,12 +106,18 @@ class FrontDoor:
 
     # --- admission ------------------------------------------------------------------------------
 
-    def admit(self, msg: tt.Generate, entry: Entry) -> SamplingParams:
+    def admit(
+        self, msg: tt.Generate, entry: Entry, screen: Callable[[], None] | None = None
+    ) -> SamplingParams:
         """The one admission of every request, health generations included (same counters).
-        Adds it to the table; the caller tokenizes next and ends with `forwarded` or `fail`."""
+        `screen` runs the endpoint's input limits (cheap, before any parsing), refusals counted
+        alike. Adds it to the table; the caller tokenizes next and ends with `forwarded` or
+        `fail`."""
         self.counters["requests_received"] += 1
         try:
             self._check_admission(msg.rid)
+            if screen is not None:
+                screen()
             params = prepare.sampling_params(msg.params, self.limits.vocab_size)
         except EngineError:
             self.counters["requests_rejected"] += 1

@@ -21,22 +21,25 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequest
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec
 from engine.wire_errors import to_failure
-from tokenizer_proc import prepare
+from tokenizer_proc import limits, prepare
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
 from tokenizer_proc.requests import Entry
+from tokenizer_proc.trim import Trimmer
 
 log = logging.getLogger("tokenizer")
 
 STATS_TIMEOUT_S = 5.0
 # NOTE: short inputs tokenize in tens of microseconds; a thread hop would cost more than it saves.
 INLINE_CHARS = 2048
+HEARTBEAT_IVL_MS = 1000
+YIELD_EVERY_S = 0.005
 _CLIENT_TYPES = {cls.__name__: cls for cls in tt.FromClient.__args__}
 
 
@@ -66,6 +69,8 @@ class Frontend:
         self._stats_calls: dict[str, asyncio.Future[dict[str, float]]] = {}
         self._welcomed: set[bytes] = set()  # ZMQ identities whose Hello carried the key
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        self._trimmer = Trimmer(self._pool)
+        self._tasks: set[asyncio.Task[None]] = set()
         self._client_codec: Codec[tt.FromClient] = Codec(tt.FromClient)
         self._reply_codec: Codec[tc.ToClient] = Codec(tc.ToClient)
         self._open_sockets(endpoints)
@@ -77,6 +82,15 @@ class Frontend:
         # which is how a lost client's requests get aborted.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, HWM)
+        # NOTE: frames beyond max_frame_bytes get a typed error; far beyond, libzmq drops the
+        # connection from the declared size, before buffering gigabytes.
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * self.config.max_frame_bytes)
+        # NOTE: ZMTP heartbeats, answered by the peer's libzmq thread: only a client that is
+        # gone without closing (stopped, unplugged) misses them; its connection is dropped, the
+        # next send to it fails, and its requests are aborted.
+        timeout_ms = int(self.config.client_timeout * 1000)
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, min(HEARTBEAT_IVL_MS, max(1, timeout_ms // 2)))
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         self.router.setsockopt(zmq.LINGER, LINGER_MS)
         self.router.bind(endpoints.client)
         self.inbox: AsyncPullQueue[tt.FromEngine] = AsyncPullQueue(
@@ -111,6 +125,11 @@ class Frontend:
         self.router.close()
         self.inbox.close()
         self.to_scheduler.close()
+        # NOTE: term() waits (up to the sockets' linger) until queued replies are on the wire;
+        # pyzmq skips it at interpreter exit, so without it the last chunks of a graceful
+        # shutdown could be lost with the process (seen under load: streams got EngineDead).
+        self._actx.term()
+        self._sctx.term()
 
     # --- the API every endpoint uses ------------------------------------------------------------
 
@@ -161,16 +180,31 @@ class Frontend:
     # --- client side ----------------------------------------------------------------------------
 
     async def _client_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        turn = loop.time()
         while True:
             frames = await self.router.recv_multipart()
             try:
                 await self._on_client_frame(frames[0], frames[-1])
             except Exception:  # NOTE: one bad client never takes the front door down
                 log.exception("error handling a client message")
+            # NOTE: awaiting a frame that is already there does not yield to the event loop, so
+            # a flood of frames would keep the engine side from delivering chunks; give the
+            # other tasks a turn every few milliseconds of back-to-back frames.
+            if loop.time() - turn > YIELD_EVERY_S:
+                await asyncio.sleep(0)
+                turn = loop.time()
 
     async def _on_client_frame(self, client: bytes, frame: bytes) -> None:
+        self._trimmer.saw(len(frame))
         try:
+            limits.check_frame(len(frame), self.config)
             msg = self._client_codec.decode(frame)
+        except (InvalidRequest, RecursionError) as e:
+            self.core.counters["bad_frames"] += 1
+            error = e if isinstance(e, InvalidRequest) else limits.nesting_error(self.config)
+            await self._send(client, to_failure(limits.peek_rid(frame), error))
+            return
         except msgspec.MsgspecError as e:
             self.core.counters["bad_frames"] += 1
             await self._send(client, _bad_frame_failure(frame, e))
@@ -240,35 +274,58 @@ class Frontend:
 
     async def _admit(self, msg: tt.Generate, entry: Entry) -> None:
         """The one path of every request, health generations included (same counters)."""
-        params = self.core.admit(msg, entry)
+        chars = 0
+
+        def screen() -> None:  # NOTE: the cheap limits, before any slow work
+            nonlocal chars
+            chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
+            limits.check_share(self.core.table.count(entry.owner), self.config)
+
+        params = self.core.admit(msg, entry, screen)
         try:
-            ids = await self._tokenize(msg)
-        except asyncio.CancelledError:
-            # NOTE: an HTTP client disconnected meanwhile; its admission slot goes with it.
-            self.core.cancel(msg.rid)
-            raise
+            limits.check_stop(params, self.config)
         except EngineError as e:
             self.core.fail(msg.rid, e)
             raise
+        if _needs_pool(msg, chars):
+            # NOTE: a task, not awaited: the client loop goes on reading every other client's
+            # frames while the pool works (awaiting it here stalled all clients, ~0.7 s per
+            # 1M-character prompt).
+            task = asyncio.create_task(self._admit_pooled(msg, entry, params, chars))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        try:
+            ids = prepare.token_ids(*self._token_args(msg))
         except Exception as e:
-            # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
-            log.exception("rid=%s tokenization failed", msg.rid)
-            error = EngineError(f"{type(e).__name__}: {e}")
+            error = _typed(msg.rid, e)
             self.core.fail(msg.rid, error)
             raise error from e
+        self._forward(msg, entry, ids, params)
+
+    async def _admit_pooled(self, msg: tt.Generate, entry: Entry, params: Any, chars: int) -> None:
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, prepare.token_ids, *self._token_args(msg)
+            )
+        except Exception as e:
+            if self.core.table.get(msg.rid) is entry:
+                await self._deliver(self.core.fail(msg.rid, _typed(msg.rid, e)), entry)
+            return
+        finally:
+            self._trimmer.saw(4 * chars)  # NOTE: up to 4 bytes per character
+        if self.core.table.get(msg.rid) is entry:  # NOTE: else it was ended meanwhile
+            self._forward(msg, entry, ids, params)
+
+    def _token_args(self, msg: tt.Generate) -> tuple[Any, ...]:
+        return (msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context)
+
+    def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
         if not self.core.forwarded(msg.rid, entry):
             asyncio.create_task(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return
         self.to_scheduler.put(TokenizedRequest(msg.rid, ids, params))
         log.debug("rid=%s admitted: %d prompt tokens", msg.rid, len(ids))
-
-    async def _tokenize(self, msg: tt.Generate) -> list[int]:
-        args = (msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context)
-        if msg.input_ids is not None or len(msg.prompt or "") + _chars(msg.messages) < INLINE_CHARS:
-            return prepare.token_ids(*args)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, prepare.token_ids, *args
-        )
 
     def _client_gone(self, owner: Hashable) -> None:
         for rid in self.core.owner_gone(owner):
@@ -345,8 +402,19 @@ async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:
     done.set()
 
 
-def _chars(messages: list[dict[str, Any]] | None) -> int:
-    return sum(len(str(m.get("content", ""))) for m in messages or ())
+def _needs_pool(msg: tt.Generate, chars: int) -> bool:
+    # NOTE: every string counts (a huge value outside `content` templates as slowly), and each
+    # message costs the template a loop turn.
+    work = chars + 64 * len(msg.messages or ())
+    return msg.input_ids is None and work >= INLINE_CHARS
+
+
+def _typed(rid: str, error: Exception) -> EngineError:
+    if isinstance(error, EngineError):
+        return error
+    # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
+    log.error("rid=%s tokenization failed", rid, exc_info=error)
+    return EngineError(f"{type(error).__name__}: {error}")
 
 
 def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:
@@ -354,6 +422,8 @@ def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:
     raw: Any = None
     try:
         raw = msgspec.msgpack.decode(frame)
+    except RecursionError:  # NOTE: too deep to decode without a type to stop it early
+        return tc.Failure(limits.peek_rid(frame), "invalid_request", str(error), "frame")
     except msgspec.MsgspecError:
         return tc.Failure("", "invalid_request", f"not a msgpack frame: {error}", "frame")
     rid = raw[1] if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str) else ""

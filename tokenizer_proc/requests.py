@@ -58,6 +58,9 @@ class RequestTable:
                 self._by_owner.pop(entry.owner, None)
         return entry
 
+    def count(self, owner: Hashable) -> int:
+        return len(self._by_owner.get(owner, ()))
+
     def of_owner(self, owner: Hashable) -> list[str]:
         return list(self._by_owner.get(owner, ()))
 

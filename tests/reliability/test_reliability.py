@@ -1,0 +1,238 @@
+"""The reliability suite (issue 11): one engine on loopback through storms of aborts and
+disconnects, thousands of fuzzed frames and hostile clients; nothing lost, nothing stalled, KV and
+resident memory back where they started. Figures go to the "reliability figures" summary."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+from engine_harness import LaunchedEngine
+from figures import SOAK_S
+from fuzz import frames
+from hostile import NeverReader, huge_inputs
+from load import Tally, client_loop, closing_clients, killed_clients, resetter
+from tcp_proxy import TcpProxy
+
+from engine.client import EngineClient
+from engine.messages import to_tokenizer as tt
+from engine.transport import encode_request
+
+STORM_S = SOAK_S or 12.0
+FUZZ_FRAMES = int(3000 * max(1.0, SOAK_S / 12.0))
+HOSTILE_S = min(SOAK_S, 60.0) or 10.0
+WORST_LATENCY_BOUND_S = 5.0
+OPTIONS = (
+    "--max-total-tokens", "16384", "--context-length", "512", "--max-running-requests", "16",
+    "--max-queued-requests", "32", "--client-share", "0.25", "--shutdown-grace", "1",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("reliability") / "launch.log"
+    launched = LaunchedEngine(tiny_model_dir, log, *OPTIONS).wait_ready()
+    with EngineClient(launched.address) as c:  # NOTE: warm up before memory is measured
+        for i in range(8):
+            c.generate(input_ids=[i + 1] * 40, max_tokens=24, ignore_eos=True)
+    yield launched
+    launched.stop()
+
+
+@pytest.fixture(scope="module")
+def rss_before(engine) -> dict[str, int]:
+    return _rss(engine)
+
+
+def _rss(engine: LaunchedEngine) -> dict[str, int]:
+    pids = {"launcher": engine.proc.pid, **engine.child_pids()}
+    return {name: psutil.Process(pid).memory_info().rss for name, pid in pids.items()}
+
+
+def _settled(client: EngineClient, within: float = 20.0) -> dict[str, float]:
+    """Stats once nothing is in flight and no KV is held (fails the test after `within`)."""
+    deadline = time.monotonic() + within
+    while True:
+        stats = client.stats()
+        busy = stats["requests_in_flight"] + stats["running"] + stats["waiting"]
+        if busy == 0 and stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"the engine did not settle: {stats}"
+        time.sleep(0.1)
+
+
+def _run_threads(targets: list[tuple], timeout: float) -> int:
+    threads = [threading.Thread(target=f, args=a, daemon=True) for f, *a in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return sum(t.is_alive() for t in threads)
+
+
+def test_storm_of_aborts_and_disconnects_loses_nothing(engine, rss_before, report):
+    tally = Tally()
+    proxy = TcpProxy(engine.port)
+    until = time.monotonic() + STORM_S
+    try:
+        hung = _run_threads(
+            [
+                (client_loop, engine.address, 1, until, tally),
+                (client_loop, engine.address, 2, until, tally),
+                (client_loop, engine.address, 3, until, tally),
+                (client_loop, proxy.address, 4, until, tally),
+                (client_loop, proxy.address, 5, until, tally),
+                (resetter, proxy, until, tally),
+                (closing_clients, engine.address, 6, until, tally),
+                (killed_clients, engine.address, 3, tally),
+            ],
+            timeout=STORM_S + 60,
+        )
+    finally:
+        proxy.close()
+    with EngineClient(engine.address) as c:
+        stats = _settled(c)
+    counts = dict(tally.counts)
+    report["storm requests"] = (
+        f"sent {counts['submitted']}, completed {counts['completed']}, aborted "
+        f"{counts['aborted']}, errored {counts['errored']}, lost {counts.get('lost', 0) + hung}"
+    )
+    report["storm faults injected"] = f"{sum(tally.faults.values())} {dict(tally.faults)}"
+    report["storm engine counters"] = {k: v for k, v in stats.items() if k.startswith("finish_")}
+    assert hung == 0 and counts.get("lost", 0) == 0, counts
+    assert counts["submitted"] == tally.ended, counts
+    assert tally.faults["connection resets"] > 0 and counts["errored"] > 0, counts
+
+
+def test_thousands_of_fuzzed_frames_never_stop_the_engine(engine, rss_before, report):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(engine.address)
+    good = _GoodClient(engine.address, duration=3.0)
+    replies = 0
+    try:
+        for frame in frames(seed=7, n=FUZZ_FRAMES):
+            sock.send(frame)
+            while sock.poll(0):
+                sock.recv()
+                replies += 1
+        sock.send(encode_request(tt.Goodbye()))  # NOTE: its valid requests end with it
+        while sock.poll(1000):
+            sock.recv()
+            replies += 1
+    finally:
+        sock.close()
+        ctx.term()
+        good.join()
+    assert engine.proc.poll() is None, "the engine died"
+    with EngineClient(engine.address) as c:
+        assert c.health_generate()
+        stats = _settled(c)
+    report["fuzz"] = (
+        f"{FUZZ_FRAMES} frames sent, {replies} replies, {int(stats.get('bad_frames', 0))} "
+        f"refused as malformed; good client {good.summary()}"
+    )
+    assert good.errors == [] and len(good.latencies) > 0, good.errors
+
+
+def test_hostile_clients_do_not_stall_a_good_one(engine, rss_before, report):
+    baseline = _GoodClient(engine.address, n=30)
+    baseline.join()
+    tally = Tally()
+    proxy = TcpProxy(engine.port)
+    never = NeverReader(engine.address, 8, tally)
+    good = _GoodClient(engine.address, duration=HOSTILE_S)
+    until = time.monotonic() + HOSTILE_S
+    try:
+        hung = _run_threads(
+            [
+                (huge_inputs, engine.address, until, tally),
+                (client_loop, proxy.address, 11, until, tally),
+                (resetter, proxy, until, tally, 0.2),
+            ],
+            timeout=HOSTILE_S + 90,
+        )
+    finally:
+        good.join()
+        never.close()
+        proxy.close()
+    with EngineClient(engine.address) as c:
+        _settled(c)
+    report["hostile"] = (
+        f"{HOSTILE_S:.0f}s of huge inputs ({tally.counts['bad inputs']} tried: "
+        f"{ {k: v for k, v in tally.counts.items() if k[0].isupper()} }), resets "
+        f"({tally.faults['connection resets']}), a never-reading client"
+    )
+    report["good client latency, quiet"] = baseline.summary()
+    report["good client latency, under hostile load"] = good.summary()
+    assert hung == 0
+    assert good.errors == [], good.errors
+    assert max(good.latencies) < WORST_LATENCY_BOUND_S, good.summary()
+
+
+def test_resident_memory_is_flat(engine, rss_before, report):
+    mib = 1 << 20
+
+    def flat(after: dict[str, int]) -> bool:
+        return all(after[k] < before * 1.25 + 32 * mib for k, before in rss_before.items())
+
+    # NOTE: the front door gives memory back a second after a large input (tokenizer_proc.trim).
+    deadline = time.monotonic() + 5
+    while not flat(after := _rss(engine)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    report["RSS before -> after (MiB)"] = {
+        k: f"{rss_before[k] / mib:.0f} -> {after[k] / mib:.0f}" for k in after
+    }
+    assert flat(after), report["RSS before -> after (MiB)"]
+
+
+GOOD_CLIENT = """
+import json, sys, time
+from engine.client import EngineClient
+from engine.errors import EngineError
+address, n, duration = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+latencies, errors = [], []
+until = time.monotonic() + duration
+with EngineClient(address, timeout=60) as c:
+    while time.monotonic() < until and len(latencies) + len(errors) < n:
+        t0 = time.monotonic()
+        try:
+            c.generate(input_ids=[1, 2, 3, 4], max_tokens=4, ignore_eos=True)
+            latencies.append(time.monotonic() - t0)
+        except EngineError as e:
+            errors.append(repr(e))
+        time.sleep(0.02)
+print(json.dumps({"latencies": latencies, "errors": errors}))
+"""
+
+
+class _GoodClient:
+    """A well-behaved client in its own process (so the hostile clients' work in this process
+    cannot slow it): short requests back to back, each timed, for `duration` or `n` requests."""
+
+    def __init__(self, address: str, n: int = 1_000_000, duration: float = 600.0) -> None:
+        args = [sys.executable, "-c", GOOD_CLIENT, address, str(n), str(duration)]
+        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+
+    def join(self, timeout: float = 120.0) -> None:
+        out, _ = self._proc.communicate(timeout=timeout)
+        result = json.loads(out.splitlines()[-1])
+        self.latencies, self.errors = result["latencies"], result["errors"]
+
+    def summary(self) -> str:
+        lat = sorted(self.latencies) or [0.0]
+        return (
+            f"{len(lat)} requests, p50 {statistics.median(lat) * 1e3:.0f} ms, "
+            f"worst {lat[-1] * 1e3:.0f} ms"
+        )

@@ -1,0 +1,153 @@
+"""The front door's input limits (issue 11): each a cheap check run before any slow work, each an
+`InvalidRequest` (or `Overloaded`) that names the limit and its option.
+
+Pure functions of a request and the config; the front door calls them in order: frame size
+before decoding, request shape (counts, characters, nesting) before sampling parameters and
+tokenization, stop strings once the parameters are known, a connection's share at admission.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest, Overloaded
+from engine.messages.to_tokenizer import Generate
+from engine.sampling_params import SamplingParams
+
+# NOTE: a chat request has tens of values, a large tool schema thousands; the walk costs ~1 us per
+# value on the front door's loop, so more is refused (a million-element list took a second).
+MAX_VALUES = 20_000
+
+
+def _limit(field: str, what: str, option: str, value: int | float) -> InvalidRequest:
+    flag = "--" + option.replace("_", "-")
+    return InvalidRequest(field, f"{what} exceeds the limit {option}={value} ({flag})")
+
+
+def check_frame(size: int, config: EngineConfig) -> None:
+    if size > config.max_frame_bytes:
+        raise _limit("frame", f"{size} bytes", "max_frame_bytes", config.max_frame_bytes)
+
+
+def nesting_error(config: EngineConfig) -> InvalidRequest:
+    """For a frame too deep to decode at all (msgspec raises RecursionError)."""
+    return _limit("frame", "nesting", "max_nesting_depth", config.max_nesting_depth)
+
+
+def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> int:
+    """Counts, characters and nesting of a request, before anything walks it slowly; returns
+    the characters of its text (the prompt, or every string of its messages)."""
+    if msg.prompt is not None and len(msg.prompt) > config.max_prompt_chars:
+        raise _limit(
+            "prompt", f"{len(msg.prompt)} characters", "max_prompt_chars", config.max_prompt_chars
+        )
+    if msg.input_ids is not None and len(msg.input_ids) >= max_context:
+        # NOTE: before the ids are scanned one by one; text prompts are checked once tokenized.
+        n = len(msg.input_ids)
+        raise InvalidRequest("input_ids", f"{n} prompt tokens; the context holds {max_context}")
+    chars = _check_messages(msg.messages, config) if msg.messages is not None else 0
+    depth, _ = shape(msg.params, "params")
+    if depth > config.max_nesting_depth:
+        limit = config.max_nesting_depth
+        raise _limit("params", f"nesting depth {depth}", "max_nesting_depth", limit)
+    return chars + len(msg.prompt or "")
+
+
+def _check_messages(messages: list[Any], config: EngineConfig) -> int:
+    if len(messages) > config.max_messages:
+        raise _limit("messages", f"{len(messages)} messages", "max_messages", config.max_messages)
+    depth, chars = shape(messages, "messages")
+    if depth > config.max_nesting_depth:
+        limit = config.max_nesting_depth
+        raise _limit("messages", f"nesting depth {depth}", "max_nesting_depth", limit)
+    if chars > config.max_prompt_chars:
+        limit = config.max_prompt_chars
+        raise _limit("messages", f"{chars} characters", "max_prompt_chars", limit)
+    return chars
+
+
+def shape(value: Any, field: str) -> tuple[int, int]:
+    """(nesting depth, characters of every string) of a decoded value, without recursion; a
+    value with more than MAX_VALUES parts is refused before the walk takes long."""
+    depth, chars, seen = 0, 0, 0
+    stack = [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise InvalidRequest(field, f"more than {MAX_VALUES} values; too large to take")
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            depth = max(depth, level)
+            stack.extend((k, level + 1) for k in item)
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            depth = max(depth, level)
+            stack.extend((v, level + 1) for v in item)
+    return depth, chars
+
+
+def check_stop(params: SamplingParams, config: EngineConfig) -> None:
+    limit = config.max_stop_strings
+    for name in ("stop", "stop_token_ids"):
+        n = len(getattr(params, name))
+        if n > limit:
+            raise _limit(name, f"{n} entries", "max_stop_strings", limit)
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > config.max_stop_chars:
+        limit = config.max_stop_chars
+        raise _limit("stop", f"a stop string of {longest} characters", "max_stop_chars", limit)
+
+
+def client_cap(config: EngineConfig) -> int:
+    """How many requests one connection may have in flight (at least one)."""
+    capacity = config.max_running_requests + config.max_queued_requests
+    return max(1, int(capacity * config.client_share))
+
+
+def check_share(in_flight: int, config: EngineConfig) -> None:
+    """One connection cannot fill admission for everyone (`--client-share`)."""
+    cap = client_cap(config)
+    if in_flight >= cap:
+        raise Overloaded(
+            f"this connection has {in_flight} requests in flight, its share of admission "
+            f"(client_share={config.client_share}, --client-share); retry later"
+        )
+
+
+def peek_rid(frame: bytes) -> str:
+    """The rid of a frame that will not be decoded (too large, too deep): a request's frame is a
+    msgpack array [tag, rid, ...], read here header by header, so the caller waiting on that rid
+    gets its error. "" when the frame does not start that way."""
+    try:
+        pos = _skip_array_header(frame, 0)
+        _, pos = _read_str(frame, pos)
+        rid, _ = _read_str(frame, pos)
+        return rid
+    except (IndexError, ValueError):
+        return ""
+
+
+def _skip_array_header(frame: bytes, pos: int) -> int:
+    head = frame[pos]
+    if 0x90 <= head <= 0x9F:
+        return pos + 1
+    if head in (0xDC, 0xDD):
+        return pos + (3 if head == 0xDC else 5)
+    raise ValueError("not an array")
+
+
+def _read_str(frame: bytes, pos: int) -> tuple[str, int]:
+    head = frame[pos]
+    if 0xA0 <= head <= 0xBF:
+        start, n = pos + 1, head - 0xA0
+    elif head in (0xD9, 0xDA, 0xDB):
+        width = {0xD9: 1, 0xDA: 2, 0xDB: 4}[head]
+        start, n = pos + 1 + width, int.from_bytes(frame[pos + 1 : pos + 1 + width], "big")
+    else:
+        raise ValueError("not a string")
+    if n > 256 or start + n > len(frame):
+        raise ValueError("not a rid")
+    return frame[start : start + n].decode("utf-8"), start + n
