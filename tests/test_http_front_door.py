@@ -84,21 +84,23 @@ def test_a_stream_sends_headers_with_its_first_token(tmp_path):
 
 def test_a_caller_gone_while_its_prompt_is_tokenized_leaves_no_entry(tmp_path, tiny_model_dir):
     """An HTTP client that disconnects while its long prompt is tokenized on the thread pool
-    cancels the admission; its table entry (an admission slot) must go with it."""
+    aborts it (as the HTTP handler does on its way out); its table entry (an admission slot)
+    must go with it once the tokenization ends, and nothing reaches the scheduler."""
     from engine.tokenizer_loader import load_tokenizer
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, bool]:
         frontend = front_door(tmp_path)
         frontend.tokenizer = load_tokenizer(tiny_model_dir)
         frontend.core.limits = replace(frontend.core.limits, max_context=10**6, vocab_size=49152)
         try:
             msg = tt.Generate("long", prompt="word " * 100_000, params={"max_tokens": 1})
-            task = asyncio.create_task(frontend.submit(msg, ("http", "long")))
+            entry = await frontend.submit(msg, ("http", "long"))
             await _admitted(frontend)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return len(frontend.table)
+            frontend.abort("long", ("http", "long"))
+            await asyncio.gather(*frontend._tasks)  # NOTE: the pooled tokenization ends
+            await asyncio.sleep(0.05)
+            return len(frontend.table), entry.sent
         finally:
             frontend.close()
 
-    assert asyncio.run(scenario()) == 0
+    assert asyncio.run(scenario()) == (0, False)
