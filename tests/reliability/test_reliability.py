@@ -185,8 +185,9 @@ def test_resident_memory_is_flat(engine, rss_before, report):
     def flat(after: dict[str, int]) -> bool:
         return all(after[k] < before * 1.25 + 32 * mib for k, before in rss_before.items())
 
-    # NOTE: the front door gives memory back a second after a large input (tokenizer_proc.trim).
-    deadline = time.monotonic() + 5
+    # NOTE: the front door gives memory back a second after a large input (tokenizer_proc.trim),
+    # on its tokenization pool: on a loaded box the pool may still be busy with hostile inputs.
+    deadline = time.monotonic() + 15
     while not flat(after := _rss(engine)) and time.monotonic() < deadline:
         time.sleep(0.25)
     report["RSS before -> after (MiB)"] = {
