@@ -63,8 +63,14 @@ def engine_steps(model, eos, prompts: list[list[int]], steps: int) -> tuple[list
     from engine.sampling_params import SamplingParams
     from scheduler_proc.scheduler import Scheduler
 
-    config = EngineConfig(max_running_requests=len(prompts), disable_overlap=True)
+    # NOTE: rows as long as the run needs, so memory never holds fewer rows than the batch.
+    ctx = max(len(p) for p in prompts) + steps + 16
+    config = EngineConfig(
+        max_running_requests=len(prompts), context_length=ctx, disable_overlap=True
+    )
     sched = Scheduler(config, model, eos)
+    if sched.pool.rows < len(prompts):
+        raise SystemExit(f"memory holds {sched.pool.rows} rows, fewer than the batch")
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.submit(str(i), p, params)
