@@ -32,6 +32,7 @@ class Summary:
     requests: int
     errors: int
     duration_s: float
+    output_tokens: int
     request_throughput: float
     output_throughput: float  # completion tokens per second
     total_throughput: float  # prompt + completion tokens per second
@@ -53,13 +54,12 @@ def summarize(results: Sequence[RequestResult]) -> Summary:
         requests=len(results),
         errors=len(results) - len(ok),
         duration_s=span,
+        output_tokens=out,
         request_throughput=rate(len(ok)),
         output_throughput=rate(out),
         total_throughput=rate(out + sum(r.prompt_tokens for r in ok)),
         ttft=_pcts([r.first - r.start for r in ok if r.first is not None]),
-        itl=_pcts(
-            [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
-        ),
+        itl=_pcts([x for r in ok if (x := time_per_token(r)) is not None]),
         e2e=_pcts([r.end - r.start for r in ok]),
     )
 
