@@ -32,7 +32,6 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-    cold: bool = False  # in the first wave after the server started
     text: str = ""
 
 
@@ -109,17 +108,16 @@ class Load:
 
 
 async def run_load(
-    target: Target, work: Workload, load: Load, *, cold_wave: int = 0, seed: int = 0, bar=None
+    target: Target, work: Workload, load: Load, *, seed: int = 0, bar=None
 ) -> list[RequestResult]:
-    """Run every session of `work` under `load`; the first `cold_wave` requests issued are
-    marked cold."""
+    """Run every session of `work` under `load`; the results in the order they were sent."""
     results: list[RequestResult] = []
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     gate = asyncio.Semaphore(load.concurrency)
 
     async def session(i: int, http: aiohttp.ClientSession) -> None:
         async with gate:
-            await _session(i, work.sessions[i], http, target, results, cold_wave, bar)
+            await _session(i, work.sessions[i], http, target, results, bar)
 
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
@@ -135,12 +133,12 @@ async def run_load(
 
 
 async def _session(
-    i: int, s: Session, http: aiohttp.ClientSession, target: Target, results: list, cold: int, bar
+    i: int, s: Session, http: aiohttp.ClientSession, target: Target, results: list, bar
 ) -> None:
     history: list[dict[str, str]] = []
     for turn, user in enumerate(s.turns):
         history.append({"role": "user", "content": user})
-        result = RequestResult(i, turn, time.perf_counter(), cold=len(results) < cold)
+        result = RequestResult(i, turn, time.perf_counter())
         results.append(result)
         await stream_one(http, target, request_body(s, history, target), result)
         if bar is not None:

@@ -73,8 +73,3 @@ def time_per_token(r: RequestResult) -> float | None:
     if r.first is None or r.completion_tokens < 2:
         return None
     return (r.chunk_times[-1] - r.first) / (r.completion_tokens - 1)
-
-
-def split_cold(results: Sequence[RequestResult]) -> tuple[list, list]:
-    """(cold, warm): the first wave after the server started, and everything else."""
-    return [r for r in results if r.cold], [r for r in results if not r.cold]

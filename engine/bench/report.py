@@ -16,12 +16,12 @@ from engine.bench.metrics import Summary
 class Level:
     load: Load
     warm: Summary
-    cold: Summary | None = None  # the first wave after start, when this level had it
 
 
 @dataclass
 class EngineResult:
     name: str
+    cold: Summary | None = None  # the first wave after the server started
     levels: list[Level] = field(default_factory=list)
 
 
@@ -50,10 +50,10 @@ def table(engines: list[EngineResult]) -> str:
     lines = [HEADER]
     for e in engines:
         lines += [_row(e.name, lv.load.label(), lv.warm) for lv in e.levels]
-    cold = [(e.name, lv) for e in engines for lv in e.levels if lv.cold]
+    cold = [e for e in engines if e.cold]
     if cold:
         lines += ["cold (first wave after start):"]
-        lines += [_row(n, lv.load.label(), lv.cold) for n, lv in cold]  # type: ignore[arg-type]
+        lines += [_row(e.name, f"wave of {e.cold.requests}", e.cold) for e in cold]  # type: ignore[union-attr]
     lines += ratio_lines(engines)
     return "\n".join(lines)
 
@@ -89,12 +89,15 @@ def ratio_lines(engines: list[EngineResult]) -> list[str]:
 def to_json(engines: list[EngineResult], meta: dict[str, Any]) -> dict[str, Any]:
     def level(lv: Level) -> dict[str, Any]:
         load = {"concurrency": lv.load.concurrency, "rate": lv.load.rate}
-        cold = lv.cold.as_dict() if lv.cold else None
-        return {"load": load, "warm": lv.warm.as_dict(), "cold": cold}
+        return {"load": load, "warm": lv.warm.as_dict()}
+
+    def engine(e: EngineResult) -> dict[str, Any]:
+        cold = e.cold.as_dict() if e.cold else None
+        return {"name": e.name, "cold": cold, "levels": [level(lv) for lv in e.levels]}
 
     return {
         "meta": meta,
-        "engines": [{"name": e.name, "levels": [level(lv) for lv in e.levels]} for e in engines],
+        "engines": [engine(e) for e in engines],
         "ratios": {p.name: ratios(engines[0], p) for p in engines[1:]},
     }
 
@@ -127,9 +130,11 @@ def plot(path: Path, engines: list[EngineResult], title: str) -> None:
         ax.set_xticks(xs, [f"{x:g}" for x in xs])
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)
-    right.set_yscale("log")
-    right.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    right.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    # NOTE: a log axis needs a positive value to show (a level with no answered request has none).
+    if any(y > 0 for line in right.get_lines() for y in line.get_ydata()):
+        right.set_yscale("log")
+        right.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        right.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     left.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

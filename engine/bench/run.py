@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.bench import servers
 from engine.bench.client import Load, Target, run_load
-from engine.bench.metrics import split_cold, summarize
+from engine.bench.metrics import summarize
 from engine.bench.report import EngineResult, Level, plot, table, write_json
 from engine.bench.workload import (
     Workload,
@@ -97,27 +97,29 @@ def run_bench(cfg: BenchConfig) -> list[EngineResult]:
             results.append(measure(target, work, cfg))
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     meta = _meta(cfg, work, info)
+    # NOTE: table and JSON first: a failing plot must not lose the figures.
+    print(table(results), flush=True)
     write_json(cfg.out_dir / "bench.json", results, meta)
     plot(cfg.out_dir / "bench.png", results, f"{work.name} | {meta['date']} | {meta['host']}")
-    print(table(results), flush=True)
     _say(f"# wrote {cfg.out_dir / 'bench.json'} and {cfg.out_dir / 'bench.png'}")
     return results
 
 
 def measure(target: Target, work: Workload, cfg: BenchConfig) -> EngineResult:
-    """Every load in turn; the first wave of the first load is the cold one."""
+    """The cold wave (the workload's first `concurrency[0]` sessions, right after the server
+    started), then the whole workload at every load."""
     from tqdm import tqdm
 
-    result = EngineResult(target.name)
-    for i, load in enumerate(cfg.loads()):
-        desc = f"{target.name[:28]} {load.label()}"
-        with tqdm(total=work.num_requests, desc=desc, disable=not cfg.progress, leave=False) as bar:
-            cold_wave = load.concurrency if i == 0 else 0
-            runs = asyncio.run(
-                run_load(target, work, load, cold_wave=cold_wave, seed=cfg.seed, bar=bar)
-            )
-        cold, warm = split_cold(runs)
-        result.levels.append(Level(load, summarize(warm), summarize(cold) if cold else None))
+    def run(w: Workload, load: Load, cold: bool) -> list:
+        desc = f"{target.name[:28]} {'cold wave' if cold else load.label()}"
+        with tqdm(total=w.num_requests, desc=desc, disable=not cfg.progress, leave=False) as bar:
+            return asyncio.run(run_load(target, w, load, seed=cfg.seed, bar=bar))
+
+    first = cfg.concurrency[0]
+    cold = Workload(work.name, work.sessions[:first])
+    result = EngineResult(target.name, cold=summarize(run(cold, Load(first), cold=True)))
+    for load in cfg.loads():
+        result.levels.append(Level(load, summarize(run(work, load, cold=False))))
     return result
 
 
