@@ -1,8 +1,9 @@
-"""`mlx-engine` command line: launch, supervisor-conf, convert (and later bench)."""
+"""`mlx-engine` command line: launch, supervisor-conf, convert, bench."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -90,6 +91,57 @@ def convert(src: Path | None, out: Path | None) -> None:
     except ModelError as e:
         raise click.ClickException(str(e)) from e
     click.echo(str(out_dir))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str | None) -> tuple[float, ...]:
+    return tuple(float(x) for x in (text or "").split(",") if x.strip())
+
+
+@main.command(context_settings={"show_default": True})
+@click.option("--url", help="Measure a running OpenAI-compatible server (http://host:port).")
+@click.option(
+    "--launch", "launch_", is_flag=True, help="Start this engine (the default w/o --url)."
+)
+@click.option("--model", help="Model dir or .gguf for started servers (default: SmolLM2-135M).")
+@click.option("--launch-args", default="", help="Extra `mlx-engine launch` options, one string.")
+@click.option("--launch-log", type=click.Path(dir_okay=False, path_type=Path), help="Engine log.")
+@click.option("--compare", default="", help="Also start and measure a peer: mlx-lm.")
+@click.option("--workload", default="random", type=click.Choice(["random", "jsonl", "multiturn"]))
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--num-requests", default=64, help="Requests per load level.")
+@click.option("--input-len", default="64:256", help="Prompt words: N or LOW:HIGH.")
+@click.option("--output-len", default="64", help="max_tokens: N or LOW:HIGH.")
+@click.option("--turns", default=3, help="multiturn: turns per user.")
+@click.option("--system-len", default=512, help="multiturn: words of the shared system prompt.")
+@click.option("--concurrency", default="1,4,16,64", help="Closed-loop sweep, comma list.")
+@click.option("--request-rate", help="Poisson arrivals per second, comma list (replaces sweep).")
+@click.option("--seed", default=0)
+@click.option("--ignore-eos/--no-ignore-eos", default=True, help="Fixed output lengths.")
+@click.option("--out", "out_dir", default="bench-results", type=click.Path(path_type=Path))
+@click.option("--progress/--no-progress", default=True)
+def bench(**o: Any) -> None:
+    """Load-test this engine (or any OpenAI-compatible server) over streaming HTTP."""
+    from engine.bench.run import BenchConfig, run_bench
+
+    if o.pop("launch_") and o["url"]:
+        raise click.UsageError("--launch and --url exclude each other")
+    try:
+        config = BenchConfig(
+            **o
+            | {
+                "launch_args": tuple(shlex.split(o["launch_args"])),
+                "compare": tuple(x for x in o["compare"].split(",") if x),
+                "concurrency": _ints(o["concurrency"]),
+                "request_rate": _floats(o["request_rate"]),
+            }
+        ).validate()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    run_bench(config)
 
 
 if __name__ == "__main__":

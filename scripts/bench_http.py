@@ -30,7 +30,6 @@ import random
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.bench.servers import free_port  # noqa: E402
 
 
 @dataclass
@@ -73,12 +74,6 @@ def parse() -> argparse.Namespace:
     p.add_argument("--base", help=argparse.SUPPRESS)
     p.add_argument("--part", default="0/1", help=argparse.SUPPRESS)
     return p.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:

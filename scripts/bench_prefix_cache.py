@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from engine.bench.servers import float32_copy, free_port, wait_healthy  # noqa: E402
 
 
 @dataclass
@@ -54,7 +55,7 @@ def main() -> None:
 
     model_dir = resolve_model_dir(args.model)
     if not args.keep_quantized:
-        model_dir = _float32_copy(model_dir)
+        model_dir = float32_copy(model_dir)
     tok = load_tokenizer(model_dir)
     work = Workload.build(tok, args)
     print(f"# {info.describe()}; model {model_dir}", file=sys.stderr)
@@ -87,37 +88,6 @@ def _parse() -> argparse.Namespace:
     if args.small:
         args.users, args.turns, args.system_tokens = 4, 2, 200
     return args
-
-
-def _float32_copy(model_dir: Path) -> Path:
-    """The model with float32 weights, written once, for this engine and the peer alike.
-
-    NOTE: on MLX's CPU backend a quantized matmul runs a generic kernel many times slower than the
-    float32 BLAS path; a float32 directory gives both engines the same fast weights.
-    """
-    import shutil
-
-    from mlx_lm.utils import load_model, save_model
-
-    from engine.cpu_dequantize import dequantize_model, is_quantized
-
-    out = Path("/tmp") / f"bench-prefix-f32-{model_dir.name}"
-    if (out / "config.json").is_file():
-        return out
-    model, config = load_model(model_dir)
-    if not is_quantized(model):
-        return model_dir
-    dequantize_model(model)
-    tmp = out.with_name(out.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp, model)
-    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    for f in model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
-            shutil.copy(f, tmp / f.name)
-    tmp.rename(out)
-    return out
 
 
 # ---------------------------------------------------------------- the workload
@@ -240,13 +210,13 @@ def run_server(model_dir: Path, work: Workload, args: Any, info: Any) -> Run:
     from engine.cpu_backend import child_env
 
     print("# running mlx_lm.server ...", file=sys.stderr, flush=True)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
     cmd += ["--prompt-cache-size", str(4 * work.users), "--decode-concurrency", str(work.users)]
     cmd += ["--prompt-concurrency", str(work.users), "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, env=child_env(info, dict(os.environ)), stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(port, proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
         url = f"http://127.0.0.1:{port}/v1/completions"
         _complete(url, "warm up", 2)
         return _drive_server(url, work)
@@ -303,25 +273,6 @@ def _complete(url: str, prompt: str, max_tokens: int) -> tuple[float, str, int, 
     n = usage.get("completion_tokens", sum(1 for p in parts if p))
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return first or time.perf_counter(), "".join(parts), n, cached
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("mlx_lm.server exited during start-up")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError("mlx_lm.server did not start")
 
 
 # ---------------------------------------------------------------- report

@@ -1,0 +1,129 @@
+"""`mlx-engine bench`: its arithmetic on a known timeline, its workloads, and a real short run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from engine.bench.client import RequestResult, Target, request_body
+from engine.bench.metrics import percentile, summarize
+from engine.bench.workload import (
+    jsonl_workload,
+    multiturn_workload,
+    parse_range,
+    random_workload,
+)
+
+
+def test_percentile_interpolates_between_ranks():
+    xs = [float(x) for x in range(10, 0, -1)]  # 10..1, unsorted on purpose
+    assert percentile(xs, 50) == pytest.approx(5.5)
+    assert percentile(xs, 90) == pytest.approx(9.1)
+    assert percentile(xs, 99) == pytest.approx(9.91)
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+
+
+def _req(start, first, tokens, step, prompt=10, error=None):
+    """A request that starts at `start`, shows text at `first`, then one token every `step`."""
+    times = [first + i * step for i in range(tokens)]
+    r = RequestResult(0, 0, start, end=times[-1] + 0.01, first=first, chunk_times=times)
+    r.prompt_tokens, r.completion_tokens, r.error = prompt, tokens, error
+    return r
+
+
+def test_summary_on_a_known_timeline():
+    # NOTE: two requests over [0, 2.01]: TTFTs 0.5 and 1.0, 0.1 and 0.2 s per token.
+    a = _req(0.0, 0.5, tokens=11, step=0.1)  # ends 1.51
+    b = _req(0.2, 1.2, tokens=5, step=0.2)  # ends 2.01
+    failed = _req(0.1, 0.3, tokens=3, step=0.1, error="HTTP 500")
+    s = summarize([a, b, failed])
+    assert (s.requests, s.errors, s.output_tokens) == (3, 1, 16)
+    assert s.duration_s == pytest.approx(2.01)
+    assert s.request_throughput == pytest.approx(2 / 2.01)
+    assert s.output_throughput == pytest.approx(16 / 2.01)
+    assert s.total_throughput == pytest.approx((16 + 20) / 2.01)
+    assert s.ttft["p50"] == pytest.approx(0.75)
+    assert s.ttft["p99"] == pytest.approx(0.5 + 0.99 * 0.5)
+    assert s.itl["p50"] == pytest.approx(0.15)
+    assert s.e2e["p90"] == pytest.approx(1.51 + 0.9 * (1.81 - 1.51))
+
+
+def test_workloads_are_deterministic_for_a_seed(tmp_path):
+    a = random_workload(20, (4, 12), (2, 6), seed=7)
+    assert a == random_workload(20, (4, 12), (2, 6), seed=7)
+    assert a != random_workload(20, (4, 12), (2, 6), seed=8)
+    for s in a.sessions:
+        assert 4 <= len(s.turns[0].split()) - 1 <= 12 and 2 <= s.max_tokens <= 6
+    chat = multiturn_workload(3, 4, system_len=50, user_len=5, output_len=8, seed=1)
+    assert chat == multiturn_workload(3, 4, system_len=50, user_len=5, output_len=8, seed=1)
+    assert chat.num_requests == 12 and len({s.system for s in chat.sessions}) == 1
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": "hi"}, {"messages": [{"role": "system", "content": "s"}]}]
+    lines[1]["messages"].append({"role": "user", "content": "q"})
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    js = jsonl_workload(path, 5, (3, 3), seed=2)
+    assert js == jsonl_workload(path, 5, (3, 3), seed=2) and js.num_requests == 5
+    assert {(s.turns, s.chat, s.system) for s in js.sessions} == {
+        (("hi",), False, ""),
+        (("q",), True, "s"),
+    }
+    assert parse_range("5") == (5, 5) and parse_range("2:9") == (2, 9)
+    with pytest.raises(ValueError):
+        parse_range("9:2")
+
+
+def test_request_body_carries_history_and_the_servers_fields():
+    chat = multiturn_workload(1, 2, system_len=3, user_len=2, output_len=4).sessions[0]
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    history.append({"role": "user", "content": "c"})
+    body = request_body(chat, history, Target("x", "http://h", {"ignore_eos": True}))
+    assert body["messages"][0]["role"] == "system" and body["messages"][1:] == history
+    assert body["ignore_eos"] and body["stream"] and body["max_tokens"] == 4
+
+
+def test_bench_against_a_tiny_engine_and_mlx_lm(tiny_model_dir, tmp_path):
+    """The CLI end to end: our engine launched with a small pool and mlx_lm.server beside it,
+    the same workload through the one client, all three outputs written."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "engine.cli", "bench", "--model", str(tiny_model_dir)]
+    cmd += ["--launch-args", "--max-total-tokens 2048 --context-length 256"]
+    cmd += ["--compare", "mlx-lm", "--concurrency", "1,2", "--num-requests", "4"]
+    cmd += ["--input-len", "4:8", "--output-len", "5", "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=110)
+    except subprocess.TimeoutExpired:
+        # NOTE: SIGTERM, not the kill of subprocess.run's timeout: the bench then stops its servers.
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"bench ran past 110 s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "mlx-engine" in stdout and "mlx_lm.server (as shipped)" in stdout
+    assert "vs mlx_lm.server (as shipped)" in stdout and "cold" in stdout
+    report = json.loads((out / "bench.json").read_text())
+    for engine in report["engines"]:
+        # NOTE: the cold wave is the first request after start (--concurrency 1,2 starts at 1),
+        # then every level runs the whole workload; every request gives exactly 5 tokens on every
+        # server (ignore_eos, or mlx_lm.server's end tokens biased away).
+        assert engine["cold"]["requests"] == 1 and engine["cold"]["output_tokens"] == 5
+        for level in engine["levels"]:
+            assert (level["warm"]["requests"], level["warm"]["errors"]) == (4, 0)
+            assert level["warm"]["output_tokens"] == 4 * 5, engine["name"]
+    assert set(report["ratios"]) >= {"mlx_lm.server (as shipped)"}
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_single_load_level(tmp_path):
+    """A level with no answered request (then: all of it counted as the cold wave) crashed the
+    plot's log axis, and, as the plot came first, lost the table and JSON too."""
+    from engine.bench.client import Load
+    from engine.bench.report import EngineResult, Level, plot
+
+    level = Level(Load(16), summarize([]))
+    plot(tmp_path / "one.png", [EngineResult("a", levels=[level])], "t")
+    assert (tmp_path / "one.png").read_bytes()[:4] == b"\x89PNG"
