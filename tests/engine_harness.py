@@ -9,8 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlx_lm.generate import generate_step
@@ -126,3 +128,29 @@ def bounded() -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def raw_dealer(address: str) -> Iterator[Callable[[bytes], Any]]:
+    """A bare DEALER socket to an engine: `ask(frame)` sends one frame, returns the decoded reply."""
+    import zmq
+
+    from engine.messages import to_client as tc
+    from engine.protocol import Codec
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(address)
+    codec = Codec(tc.ToClient)
+
+    def ask(frame: bytes) -> tc.ToClient:
+        sock.send(frame)
+        return codec.decode(sock.recv())
+
+    try:
+        yield ask
+    finally:
+        sock.close()
+        ctx.term()

@@ -14,14 +14,13 @@ from pathlib import Path
 import msgspec
 import openai
 import pytest
-import zmq
-from engine_harness import LaunchedEngine, bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, raw_dealer  # noqa: F401
 
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, Unauthorized
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from engine.protocol import PROTOCOL_VERSION, Codec
+from engine.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.usefixtures("bounded")
 KEY = "s3cret-key"
@@ -84,20 +83,8 @@ def test_sdk_needs_the_key(engine, monkeypatch):
 @pytest.fixture
 def raw(engine):
     """A bare DEALER socket: `ask(msg)` sends one message and returns the reply."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(engine.address)
-    codec = Codec(tc.ToClient)
-
-    def ask(msg: tt.FromClient) -> tc.ToClient:
-        sock.send(msgspec.msgpack.encode(msg))
-        return codec.decode(sock.recv())
-
-    yield ask
-    sock.close()
-    ctx.term()
+    with raw_dealer(engine.address) as ask:
+        yield lambda msg: ask(msgspec.msgpack.encode(msg))
 
 
 def test_zmq_messages_without_a_welcome_are_refused(raw):

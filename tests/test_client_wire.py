@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from engine_harness import LaunchedEngine, bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, raw_dealer  # noqa: F401
 
 import engine.client as client_module
 from engine.client import EngineClient
@@ -43,20 +43,8 @@ def client(engine):
 
 @pytest.fixture
 def raw(engine):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(engine.address)
-    codec = Codec(tc.ToClient)
-
-    def ask(frame: bytes) -> tc.ToClient:
-        sock.send(frame)
-        return codec.decode(sock.recv())
-
-    yield ask
-    sock.close()
-    ctx.term()
+    with raw_dealer(engine.address) as ask:
+        yield ask
 
 
 BAD_FRAMES = [

@@ -7,15 +7,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
-from engine_harness import LaunchedEngine, bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, raw_dealer  # noqa: F401
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.errors import EngineDead, InvalidRequest, Overloaded
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from engine.protocol import Codec
 from engine.sampling_params import SamplingParams
 from tokenizer_proc import limits
 
@@ -130,20 +128,8 @@ def client(engine):
 
 @pytest.fixture
 def raw(engine):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 10_000)
-    sock.connect(engine.address)
-    codec = Codec(tc.ToClient)
-
-    def ask(frame: bytes) -> tc.ToClient:
-        sock.send(frame)
-        return codec.decode(sock.recv())
-
-    yield ask
-    sock.close()
-    ctx.term()
+    with raw_dealer(engine.address) as ask:
+        yield ask
 
 
 def _works(client: EngineClient) -> bool:
