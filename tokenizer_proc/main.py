@@ -9,10 +9,12 @@ from engine import child
 from engine.config import EngineConfig
 from engine.ipc import Endpoints
 from engine.tokenizer_loader import load_tokenizer
+from tokenizer_proc.trim import keep_large_blocks_mapped
 
 
 def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict[str, Any]) -> None:
     child.setup("tokenizer", config.log_level)
+    keep_large_blocks_mapped()  # NOTE: client inputs of many MB must not pin heap memory
     me = child.Child("tokenizer", endpoints.launcher, parent_pid)
     asyncio.run(_serve(me, config, endpoints, facts))
     me.close()
