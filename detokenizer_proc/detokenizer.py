@@ -7,8 +7,8 @@ import logging
 from typing import Any
 
 from detokenizer_proc.stream import TextStream
-from engine.messages.to_client import Chunk
-from scheduler_proc.output import StepOutput, TokenLogprob
+from engine.messages.to_client import Chunk, TokenLogprob
+from engine.messages.to_detokenizer import StepOutput
 
 log = logging.getLogger("detokenizer")
 

@@ -80,7 +80,7 @@ class DetokenizerProcess:
 
     def _forward(self, msg: FromEngine) -> None:
         if isinstance(msg, RequestFailed):
-            self.detok.drop(msg.rid)
+            self.detok.drop(msg.failure.rid)
         self.to_tokenizer.put(msg)
 
     def close(self) -> None:

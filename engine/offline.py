@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -17,31 +16,14 @@ setup_cpu_backend(None, log_line=False)
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import InvalidRequest  # noqa: E402
+from engine.results import GenerateResult, StreamChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from scheduler_proc.output import StepOutput, TokenLogprob  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 
 
-@dataclass
-class GenerationResult:
-    rid: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None
-
-    def add(self, out: StepOutput) -> None:
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.finish_reason, self.error = out.finish_reason, out.error
-        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
-        self.cached_tokens = out.cached_tokens
-
-
 class OfflineEngine:
+    """Token ids in, the SDK's `GenerateResult`s out (token ids and usage; no text)."""
+
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
         setup_cpu_backend(self.config)  # NOTE: logs which BLAS MLX calls, once per process
@@ -53,32 +35,32 @@ class OfflineEngine:
         self,
         prompts: list[list[int]],
         params: dict[str, Any] | list[dict[str, Any]] | None = None,
-    ) -> list[GenerationResult]:
+    ) -> list[GenerateResult]:
         """Run every prompt to completion; one dict of sampling keywords applies to all."""
         per_prompt = params if isinstance(params, list) else [params or {}] * len(prompts)
-        results: dict[str, GenerationResult] = {}
+        results: dict[str, GenerateResult] = {}
         try:
             for ids, kw in zip(prompts, per_prompt, strict=True):
                 rid = f"offline-{next(self._ids)}"
                 self.scheduler.submit(rid, list(ids), _params(kw))
-                results[rid] = GenerationResult(rid)
+                results[rid] = GenerateResult(rid)
         except Exception:
             self._abort_all(results)  # NOTE: all or nothing; no orphans left running
             raise
         self._run(results)
         return list(results.values())
 
-    def _abort_all(self, results: dict[str, GenerationResult]) -> None:
+    def _abort_all(self, results: dict[str, GenerateResult]) -> None:
         for rid in results:
             self.scheduler.abort(rid)
         self._run(results)
 
-    def _run(self, results: dict[str, GenerationResult]) -> None:
+    def _run(self, results: dict[str, GenerateResult]) -> None:
         pending = {rid for rid, r in results.items() if r.finish_reason is None}
         while pending:
             for out in self.scheduler.step():
                 if out.rid in results:
-                    results[out.rid].add(out)
+                    results[out.rid].add(StreamChunk.from_wire(out))
                     if out.finish_reason is not None:
                         pending.discard(out.rid)
 

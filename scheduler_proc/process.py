@@ -20,11 +20,16 @@ from engine import child
 from engine.config import EngineConfig
 from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
-from engine.messages.to_detokenizer import Register, SchedulerExited, StepOutputs, ToDetokenizer
+from engine.messages.to_detokenizer import (
+    Register,
+    SchedulerExited,
+    StepOutput,
+    StepOutputs,
+    ToDetokenizer,
+)
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.wire_errors import to_failure
-from scheduler_proc.output import StepOutput
 
 log = logging.getLogger("scheduler")
 
@@ -146,9 +151,8 @@ class SchedulerLoop:
         self.live[msg.rid] = len(msg.input_ids)
 
     def _refuse(self, rid: str, error: EngineError) -> None:
-        f = to_failure(rid, error)
         log.info("rid=%s refused: %s", rid, error)
-        self.outbox.put(RequestFailed(rid, f.kind, f.message, f.field))
+        self.outbox.put(RequestFailed(to_failure(rid, error)))
 
     def _begin_drain(self, grace: float) -> None:
         if self.drain_at is None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.messages.to_client import TokenLogprob
+from engine.messages.to_detokenizer import StepOutput
 from engine.sampling_params import SamplingParams
-from scheduler_proc.output import StepOutput, TokenLogprob
 from scheduler_proc.prefix_cache import Hit
 
 

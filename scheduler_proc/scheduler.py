@@ -19,11 +19,12 @@ import mlx.nn as nn
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
+from engine.messages.to_client import TokenLogprob
+from engine.messages.to_detokenizer import StepOutput
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, Chunk
 from scheduler_proc.kv_budget import plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
-from scheduler_proc.output import StepOutput, TokenLogprob
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.prefix_reuse import PrefixReuse
 from scheduler_proc.prefix_store import PrefixStore

@@ -11,8 +11,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from engine.config import EngineConfig
+from engine.messages.to_detokenizer import StepOutput
 from engine.sampling_params import SamplingParams
-from scheduler_proc.output import StepOutput
 from scheduler_proc.scheduler import Scheduler
 
 VOCAB = 49152  # the tiny random models' vocabulary

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from detokenizer_proc.detokenizer import Detokenizer
-from scheduler_proc.output import StepOutput
+from engine.messages.to_detokenizer import StepOutput
 
 TEXT = "Hello wörld! 🙂 Ünïcödé ✓ end"
 

@@ -45,7 +45,7 @@ def test_a_refusal_before_the_first_token_gets_its_status_not_a_200(tmp_path):
             body = {"prompt": [1, 2], "stream": True, "max_tokens": 4}
             reply = asyncio.create_task(client.post("/v1/completions", json=body))
             rid = await _admitted(frontend)
-            failed = tt.RequestFailed(rid, "overloaded", "4 requests already waiting")
+            failed = tt.RequestFailed(tc.Failure(rid, "overloaded", "4 requests already waiting"))
             await frontend._on_engine(failed)
             resp = await asyncio.wait_for(reply, 10)
             return resp.status, await resp.json()

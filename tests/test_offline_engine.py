@@ -22,7 +22,7 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
         same = eng.generate(prompts, dict(max_tokens=6, temperature=0.0, ignore_eos=True))
         model = tiny_model(tiny_weights_dir)
         assert [r.token_ids for r in same] == [reference_greedy(model, p, 6) for p in prompts]
-        assert all(r.finish_reason == "length" and r.completion_tokens == 6 for r in same)
+        assert all(r.finish_reason == "length" and r.usage.completion_tokens == 6 for r in same)
         per = eng.generate(prompts[:2], [dict(max_tokens=2), dict(max_tokens=3, seed=1)])
         assert [len(r.token_ids) for r in per] == [2, 3]
         stats = eng.stats()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
@@ -11,10 +14,11 @@ from engine.messages import to_detokenizer as td
 from engine.messages import to_launcher as tl
 from engine.messages import to_scheduler as ts
 from engine.messages import to_tokenizer as tt
+from engine.messages.to_client import TokenLogprob
+from engine.messages.to_detokenizer import StepOutput
 from engine.protocol import Codec
 from engine.sampling_params import SamplingParams
 from engine.wire_errors import to_exception, to_failure
-from scheduler_proc.output import StepOutput, TokenLogprob
 from tokenizer_proc.prepare import error_field, sampling_params
 
 SAMPLES = [
@@ -28,6 +32,7 @@ SAMPLES = [
     (ts.ToScheduler, ts.Drain(2.5)),
     (td.ToDetokenizer, td.StepOutputs([StepOutput("r", [1], logprobs=[TokenLogprob(-0.5)])])),
     (td.ToDetokenizer, td.Register("r", ["\n\n"])),
+    (td.ToDetokenizer, tt.RequestFailed(tc.Failure("r", "overloaded", "4 waiting"))),
     (tc.ToClient, tc.Failure("r", "invalid_request", "bad", "top_p")),
     (tl.ToLauncher, tl.Ready("scheduler", 12, {"model_dir": "/x", "vocab_size": 5})),
 ]
@@ -37,6 +42,25 @@ SAMPLES = [
 def test_round_trip(union, msg):
     codec = Codec(union)
     assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_finish_reasons_and_control_actions_are_closed_sets():
+    for union, frame in [
+        (tt.FromEngine, tt.Chunks([tc.Chunk("r", finish_reason="done")])),  # type: ignore[arg-type]
+        (tt.FromEngine, tt.Control("reboot")),  # type: ignore[arg-type]
+    ]:
+        with pytest.raises(msgspec.ValidationError):
+            Codec(union).decode(msgspec.msgpack.encode(frame))
+
+
+def test_the_sdk_wire_modules_need_no_engine_process_package():
+    """A client installs the SDK: its messages must not import the scheduler (or MLX)."""
+    code = (
+        "import sys, engine.client, engine.messages.to_detokenizer;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('scheduler_proc', 'mlx')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_frames_are_compact_arrays_with_the_tag_first():

@@ -353,9 +353,9 @@ class Frontend:
         elif isinstance(msg, tt.Heartbeat):
             self.core.tick()
         elif isinstance(msg, tt.RequestFailed):
-            entry = self.core.on_failed(msg.rid)
+            entry = self.core.on_failed(msg.failure.rid)
             if entry is not None:
-                await self._deliver(tc.Failure(msg.rid, msg.kind, msg.message, msg.field), entry)
+                await self._deliver(msg.failure, entry)
         elif isinstance(msg, tt.SchedulerStats):
             future = self._stats_calls.get(msg.rid)
             if future is not None and not future.done():

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+import msgspec
+
 from engine.protocol import Message
-from scheduler_proc.output import TokenLogprob
+
+# NOTE: the one spelling of why a request ended, on every layer (scheduler, wire, SDK, HTTP).
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One generated token's logprob and the top-n (id, logprob) pairs of its distribution."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class Welcome(Message):
@@ -21,7 +34,7 @@ class Chunk(Message):
     rid: str
     text: str = ""
     token_ids: list[int] = []
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -6,9 +6,9 @@ Two sockets, two unions: `FromClient` on the client ROUTER endpoint (SDK and raw
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from engine.messages.to_client import Chunk
+from engine.messages.to_client import Chunk, Failure
 from engine.protocol import Message
 
 # --- from clients -------------------------------------------------------------------------------
@@ -91,12 +91,10 @@ class Chunks(Message):
 
 
 class RequestFailed(Message):
-    """The scheduler refused a request after admission (e.g. it can never fit the KV cache)."""
+    """The scheduler refused a request after admission (e.g. it can never fit the KV cache);
+    the front door hands `failure` to the request's client as it is."""
 
-    rid: str
-    kind: str
-    message: str
-    field: str = ""
+    failure: Failure
 
 
 class Heartbeat(Message):
@@ -113,7 +111,7 @@ class SchedulerStats(Message):
 class Control(Message):
     """From the launcher: `drain` (refuse new requests) or `fail` (the engine died)."""
 
-    action: str
+    action: Literal["drain", "fail"]
     reason: str = ""
 
 
