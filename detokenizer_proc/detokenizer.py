@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from detokenizer_proc.stream import TextStream
-from engine.messages.to_client import Chunk, TokenLogprob
+from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.messages.to_detokenizer import StepOutput
 
 log = logging.getLogger("detokenizer")
@@ -56,7 +56,7 @@ class Detokenizer:
             return None
         stream.add(out.token_ids)
         text, hit_stop = stream.take(final=out.finish_reason is not None)
-        finish = "stop" if hit_stop else out.finish_reason
+        finish: FinishReason | None = "stop" if hit_stop else out.finish_reason
         if finish is not None:
             del self._streams[out.rid]
         return _chunk(out, text, finish)
@@ -67,7 +67,9 @@ class Detokenizer:
         return _chunk(out, "", "error", f"detokenizer: {type(error).__name__}: {error}")
 
 
-def _chunk(out: StepOutput, text: str, finish: str | None, error: str | None = None) -> Chunk:
+def _chunk(
+    out: StepOutput, text: str, finish: FinishReason | None, error: str | None = None
+) -> Chunk:
     return Chunk(
         out.rid,
         text,

@@ -38,7 +38,7 @@ def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict
 
 class DetokenizerProcess:
     def __init__(self, endpoints: Endpoints, tokenizer: object) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.detok = Detokenizer(tokenizer)
         self.inbox: PullQueue[ToDetokenizer] = PullQueue(ctx, endpoints.detokenizer, ToDetokenizer)
         self.to_tokenizer: PushQueue[FromEngine] = PushQueue(ctx, endpoints.tokenizer, FromEngine)

@@ -40,7 +40,7 @@ class Child:
     def __init__(self, name: str, launcher_addr: str, parent_pid: int) -> None:
         self.name = name
         self.orphaned = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._launcher: PushQueue[ToLauncher] = PushQueue(self._ctx, launcher_addr, ToLauncher)
         _watch_parent(parent_pid, self.orphaned)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,7 +64,8 @@ def _available_ram() -> int:
 
 
 def weights_bytes(model: nn.Module) -> int:
-    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    params = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    return sum(p.nbytes for _, p in params)
 
 
 def kv_budget(

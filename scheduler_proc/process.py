@@ -79,7 +79,7 @@ def _create(
 
 class SchedulerLoop:
     def __init__(self, scheduler: Any, endpoints: Endpoints, orphaned: threading.Event) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.sched = scheduler
         self.orphaned = orphaned
         self.inbox: PullQueue[ToScheduler] = PullQueue(ctx, endpoints.scheduler, ToScheduler)

@@ -12,6 +12,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +20,7 @@ import mlx.nn as nn
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
-from engine.messages.to_client import TokenLogprob
+from engine.messages.to_client import FinishReason, TokenLogprob
 from engine.messages.to_detokenizer import StepOutput
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, Chunk
@@ -229,10 +230,12 @@ class Scheduler:
         self.runner.launch(batch, inputs)
 
     def _launch_chained(self, prev: Batch) -> Batch:
-        batch = Batch(decode=prev.decode, sampler=advance(prev.sampler, prev.decode_out.tokens))
+        out, sampler = prev.decode_out, prev.sampler
+        assert out is not None and sampler is not None, "only a launched decode step chains"
+        batch = Batch(decode=prev.decode, sampler=advance(sampler, out.tokens))
         batch.chained = True
         self.prepare_launch(batch)
-        self.runner.launch(batch, prev.decode_out.tokens)
+        self.runner.launch(batch, out.tokens)
         return batch
 
     def _schedule(self) -> Batch | None:
@@ -312,6 +315,7 @@ class Scheduler:
         for req in batch.joined:
             self._start_decoding(req)
         for req in batch.rows:
+            assert req.row is not None, "a launched request holds a KV row"
             self._accept(req, tokens[req.row], logprobs[req.row])
 
     def _start_decoding(self, req: Req) -> None:
@@ -324,7 +328,7 @@ class Scheduler:
         if req.finished:
             return
         n = req.params.logprobs
-        req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n else None)
+        req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n and logprob else None)
         self._counters["generated_tokens"] += 1
         self._touched[req.rid] = req
         if req.finished:
@@ -368,7 +372,7 @@ class Scheduler:
                 self._end(req, "error", f"{type(exc).__name__}: {exc}")
         self._settle()
 
-    def _end(self, req: Req, reason: str, error: str | None = None) -> None:
+    def _end(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request outside a step's tokens: report it; its row goes at the next settle."""
         req.finish(reason, error)
         self._touched[req.rid] = req
@@ -421,11 +425,16 @@ def _due(req: Req) -> bool:
 
 def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:
     """Block on a step's tokens (and logprobs) and bring them to the host."""
-    tokens = out.tokens.tolist()
-    if out.logprob is None:
+    tokens: list[int] = _listed(out.tokens)
+    if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return tokens, [None] * len(tokens)
-    chosen, ids, lps = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    chosen, ids, lps = _listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs)
     return tokens, [
         TokenLogprob(c, list(zip(i, v, strict=True)))
         for c, i, v in zip(chosen, ids, lps, strict=True)
     ]
+
+
+def _listed(a: mx.array) -> list[Any]:
+    """`a.tolist()` for an array of rank >= 1 (MLX types it for any rank)."""
+    return a.tolist()  # type: ignore[return-value]

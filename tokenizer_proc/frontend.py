@@ -370,7 +370,7 @@ class Frontend:
         if entry.chunks is not None:
             entry.chunks.put_nowait(msg)
         elif not entry.gone and not await self._send(entry.owner, msg):  # type: ignore[arg-type]
-            self._client_gone(entry.owner)  # type: ignore[arg-type]
+            self._client_gone(entry.owner)
 
     async def _on_control(self, msg: tt.Control) -> None:
         log.info("control from the launcher: %s %s", msg.action, msg.reason)

@@ -4,6 +4,7 @@ naming the field. Pure functions of the request and the tokenizer: no sockets, n
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -83,7 +84,10 @@ def _from_ids(ids: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-_ENCODERS = {"prompt": _from_prompt, "input_ids": _from_ids}
+_ENCODERS: dict[str, Callable[[Any, Any, int], list[int]]] = {
+    "prompt": _from_prompt,
+    "input_ids": _from_ids,
+}
 
 _PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
 _UNKNOWN = re.compile(r"unknown field `(\w+)`")
