@@ -129,7 +129,7 @@ class InProcessTransport:
             Limits(
                 model=model_dir.name,
                 vocab_size=int(self.sched.vocab),
-                max_context=int(self.sched.stats()["kv_row_len"]),
+                max_context=self.sched.max_context,
                 max_in_flight=self.config.max_running_requests + self.config.max_queued_requests,
                 api_key=self.config.api_key,
             )

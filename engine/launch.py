@@ -24,7 +24,13 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.ipc import Endpoints, PullQueue, PushQueue
-from engine.messages.to_launcher import Ready, ShutdownRequested, StartFailed, ToLauncher
+from engine.messages.to_launcher import (
+    Ready,
+    SchedulerFacts,
+    ShutdownRequested,
+    StartFailed,
+    ToLauncher,
+)
 from engine.messages.to_scheduler import Drain, ToScheduler
 from engine.messages.to_tokenizer import Control, FromEngine
 
@@ -171,14 +177,14 @@ class Launcher:
         self.procs["tokenizer"] = spawn("tokenizer", self.config, self.endpoints, pid, sched)
         return self._await_ready({"detokenizer", "tokenizer"}) is not None
 
-    def _await_ready(self, names: set[str]) -> dict[str, dict[str, Any]] | None:
+    def _await_ready(self, names: set[str]) -> dict[str, SchedulerFacts | None] | None:
         deadline = time.monotonic() + self.config.startup_timeout
-        facts: dict[str, dict[str, Any]] = {}
+        facts: dict[str, SchedulerFacts | None] = {}
         while len(facts) < len(names):
             msg = self.inbox.get(POLL_S)
             if isinstance(msg, Ready):
                 log.info("%s ready (pid %d)", msg.process, msg.pid)
-                facts[msg.process] = dict(msg.facts)
+                facts[msg.process] = msg.facts
             elif isinstance(msg, StartFailed):
                 log.error("%s failed to start: %s", msg.process, msg.error)
                 return None

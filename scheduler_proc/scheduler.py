@@ -120,6 +120,15 @@ class Scheduler:
         busy = self._current or self._next or self.slots.reqs
         return bool(busy or self._waiting or self._touched)
 
+    def in_flight(self) -> dict[str, int]:
+        """rid -> prompt tokens of every request whose terminal output is not yet reported."""
+        return {rid: req.prompt_len for rid, req in self._reqs.items()}
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + generated) of one request: a KV row."""
+        return self.pool.row_len
+
     def stats(self) -> dict[str, int | float]:
         used = self.slots.tokens_in_use()
         total = self.pool.rows * self.pool.row_len

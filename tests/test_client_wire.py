@@ -19,6 +19,7 @@ import engine.client as client_module
 from engine.client import EngineClient
 from engine.errors import Overloaded, ProtocolMismatch, ShuttingDown
 from engine.messages import to_client as tc
+from engine.messages.to_launcher import SchedulerFacts
 from engine.protocol import Codec
 
 pytestmark = pytest.mark.usefixtures("bounded")
@@ -182,7 +183,7 @@ def test_a_tokenizer_crash_fails_the_request_and_frees_its_slot(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
-    facts = {"vocab_size": 100, "max_context": 64}
+    facts = SchedulerFacts("", "", vocab_size=100, max_context=64)
     replies = []
 
     async def scenario():

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.ipc import Endpoints
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
+from engine.messages.to_launcher import SchedulerFacts
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import HttpApi
 
@@ -22,7 +23,7 @@ def front_door(tmp_path: Path) -> Frontend:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
-    facts = {"vocab_size": 100, "max_context": 64, "model": "m"}
+    facts = SchedulerFacts("", "m", vocab_size=100, max_context=64)
     # NOTE: token-id prompts never reach the tokenizer; none is needed
     return Frontend(config, Endpoints.create(config, tmp_path), None, facts, print)
 

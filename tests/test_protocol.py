@@ -34,7 +34,7 @@ SAMPLES = [
     (td.ToDetokenizer, td.Register("r", ["\n\n"])),
     (td.ToDetokenizer, tt.RequestFailed(tc.Failure("r", "overloaded", "4 waiting"))),
     (tc.ToClient, tc.Failure("r", "invalid_request", "bad", "top_p")),
-    (tl.ToLauncher, tl.Ready("scheduler", 12, {"model_dir": "/x", "vocab_size": 5})),
+    (tl.ToLauncher, tl.Ready("scheduler", 12, tl.SchedulerFacts("/x", "x", 5, 64))),
 ]
 
 

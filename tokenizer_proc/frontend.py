@@ -25,6 +25,7 @@ from engine.errors import EngineError, InvalidRequest
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
+from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec
 from engine.wire_errors import to_failure
@@ -49,16 +50,16 @@ class Frontend:
         config: EngineConfig,
         endpoints: Endpoints,
         tokenizer: Any,
-        facts: dict[str, Any],
+        facts: SchedulerFacts,
         request_shutdown: Callable[[str], None],
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.core = FrontDoor(
             Limits(
-                model=str(facts.get("model", "")),
-                vocab_size=int(facts["vocab_size"]),
-                max_context=int(facts["max_context"]),
+                model=facts.model,
+                vocab_size=facts.vocab_size,
+                max_context=facts.max_context,
                 max_in_flight=config.max_running_requests + config.max_queued_requests,
                 api_key=config.api_key,
             )
