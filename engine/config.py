@@ -12,6 +12,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+ON_OFF_AUTO = ("auto", "on", "off")
+
 
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -116,14 +118,14 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
-        if self.warmup not in ("auto", "on", "off"):
+        if self.warmup not in ON_OFF_AUTO:
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup}")
         if not self.api_key and not _loopback(self.host):
             raise ValueError(
                 f"--host {self.host} accepts clients from other machines: set --api-key (or "
                 "MLX_ENGINE_API_KEY) so they must present a key, or bind 127.0.0.1"
             )
-        if self.cpu_dequantize not in ("auto", "on", "off"):
+        if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
 

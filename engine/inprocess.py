@@ -210,7 +210,7 @@ class InProcessTransport:
             ids = prepare.token_ids(
                 msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context
             )
-            self.sched.submit(msg.rid, ids, params)
+            self.sched.submit(msg.rid, ids, params, checked=True)
         except EngineError as e:
             self._reply(self.core.fail(msg.rid, e))
             return

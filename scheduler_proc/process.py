@@ -145,7 +145,8 @@ class SchedulerLoop:
         try:
             if self.drain_at is not None:
                 raise ShuttingDown("the engine is shutting down")
-            self.sched.submit(msg.rid, msg.input_ids, msg.params)
+            # NOTE: the front door checked prompt and params against this scheduler's facts.
+            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True)
         except EngineError as e:
             self._refuse(msg.rid, e)
         except Exception as e:  # NOTE: one bad request never takes the scheduler down

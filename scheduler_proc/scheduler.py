@@ -22,6 +22,7 @@ from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
 from engine.messages.to_client import FinishReason, TokenLogprob
 from engine.messages.to_detokenizer import StepOutput
+from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, Chunk
 from scheduler_proc.kv_budget import plan_kv
@@ -89,10 +90,18 @@ class Scheduler:
         self.warm_up_s = self._warm_up()
 
     # -- public interface --------------------------------------------------------------------
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def submit(
+        self, rid: str, input_ids: list[int], params: SamplingParams, checked: bool = False
+    ) -> None:
+        """Queue a request. `checked`: the front door already ran the prompt and parameter rules
+        against this scheduler's limits (tokenizer_proc/prepare.py), so they run once."""
         if self._closed:
             raise ShuttingDown("the scheduler is shutting down")
-        self._check_request(rid, input_ids, params)
+        if rid in self._reqs:
+            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
+        if not checked:
+            params.validate(self.vocab)
+            check_prompt(input_ids, self.vocab, self.max_context, "input_ids")
         if len(self._waiting) >= self.config.max_queued_requests:
             raise Overloaded(f"{len(self._waiting)} requests already waiting")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
@@ -389,18 +398,6 @@ class Scheduler:
             self._waiting.remove(req)
         else:
             self._to_free[req.rid] = req
-
-    def _check_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        params.validate(self.vocab)
-        if rid in self._reqs:
-            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
-        if not input_ids:
-            raise InvalidRequest("input_ids", "the prompt is empty")
-        if len(input_ids) >= self.pool.row_len:
-            limit = self.pool.row_len - 1
-            raise InvalidRequest("input_ids", f"{len(input_ids)} tokens exceed the limit {limit}")
-        if min(input_ids) < 0 or max(input_ids) >= self.vocab:
-            raise InvalidRequest("input_ids", f"token ids must be in [0, {self.vocab})")
 
 
 def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:

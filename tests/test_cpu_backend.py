@@ -181,8 +181,9 @@ def test_resolve_dequantize() -> None:
     assert not resolve_dequantize("auto", slow)
     assert not resolve_dequantize("auto", None)
     assert resolve_dequantize("on", slow) and not resolve_dequantize("off", fast)
-    with pytest.raises(ValueError):
-        resolve_dequantize("sometimes", fast)
+    for refused in ("sometimes", "yes", "1", "ON"):  # NOTE: what EngineConfig.validate() refuses
+        with pytest.raises(ValueError):
+            resolve_dequantize(refused, fast)
 
 
 def test_config_validates_cpu_dequantize() -> None:

@@ -127,3 +127,20 @@ def test_typed_errors_survive_the_wire(exc):
     assert type(back) is type(exc) and str(back) == str(exc)
     if isinstance(exc, InvalidRequest):
         assert back.field == "top_p"
+
+
+def test_the_front_door_checks_tokenized_prompts_against_the_model_too():
+    """The scheduler process takes the front door's word (one check per request), so ids a
+    tokenizer makes beyond the model's vocabulary are refused there, naming the client's field."""
+    from tokenizer_proc import prepare
+
+    class WideTokenizer:  # NOTE: a tokenizer vocabulary larger than the model's embedding
+        bos_token = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 99]
+
+    with pytest.raises(InvalidRequest) as e:
+        prepare.token_ids(tt.Generate("r", prompt="hi"), WideTokenizer(), 50, 64)
+    assert e.value.field == "prompt" and "out of range" in e.value.message
+    assert prepare.token_ids(tt.Generate("r", input_ids=[1, 49]), None, 50, 64) == [1, 49]

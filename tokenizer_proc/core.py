@@ -35,7 +35,6 @@ from tokenizer_proc.requests import Entry, RequestTable
 log = logging.getLogger("tokenizer")
 
 HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
-HEALTH_GENERATE_TIMEOUT_S = 30.0
 NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
 
 
@@ -250,7 +249,7 @@ class HealthProbe:
 
     def __init__(self) -> None:
         self.rid = f"health-{uuid.uuid4().hex}"
-        self.deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
+        self.deadline = time.monotonic() + tt.HEALTH_GENERATE_TIMEOUT_S
         self.tokens = 0
 
     def request(self) -> tt.Generate:
@@ -271,7 +270,7 @@ class HealthProbe:
     def expired(self) -> tuple[bool, str] | None:
         if time.monotonic() < self.deadline:
             return None
-        return False, f"no token within {HEALTH_GENERATE_TIMEOUT_S}s"
+        return False, f"no token within {tt.HEALTH_GENERATE_TIMEOUT_S}s"
 
 
 def _log_finished(chunk: tc.Chunk, entry: Entry, now: float) -> None:

@@ -4,13 +4,13 @@ naming the field. Pure functions of the request and the tokenizer: no sockets, n
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
+from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 
 SOURCES = ("prompt", "messages", "input_ids")
@@ -40,16 +40,14 @@ def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) 
         raise InvalidRequest("tools", "tools need messages (a chat)")
     if source == "messages":
         ids = _from_messages(req.messages, tokenizer, req.tools)  # type: ignore[arg-type]
+    elif source == "prompt":
+        ids = _from_prompt(req.prompt, tokenizer)  # type: ignore[arg-type]
     else:
-        ids = _ENCODERS[source](getattr(req, source), tokenizer, vocab_size)
-    if not ids:
-        raise InvalidRequest(source, "the prompt has no tokens")
-    if len(ids) >= max_context:
-        raise InvalidRequest(source, f"{len(ids)} prompt tokens; the context holds {max_context}")
-    return ids
+        ids = list(req.input_ids)  # type: ignore[arg-type]
+    return check_prompt(ids, vocab_size, max_context, source)
 
 
-def _from_prompt(prompt: str, tokenizer: Any, vocab_size: int) -> list[int]:
+def _from_prompt(prompt: str, tokenizer: Any) -> list[int]:
     if not prompt:
         raise InvalidRequest("prompt", "must not be empty")
     # NOTE: as mlx-lm's generate does: no second BOS when the text already starts with one.
@@ -76,18 +74,6 @@ def _from_messages(
         raise InvalidRequest("messages", f"chat template failed: {e}") from None
     return list(ids)
 
-
-def _from_ids(ids: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest("input_ids", f"ids out of range [0, {vocab_size}): {bad[:8]}")
-    return ids
-
-
-_ENCODERS: dict[str, Callable[[Any, Any, int], list[int]]] = {
-    "prompt": _from_prompt,
-    "input_ids": _from_ids,
-}
 
 _PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
 _UNKNOWN = re.compile(r"unknown field `(\w+)`")

@@ -47,7 +47,15 @@ class HealthCheck(Message):
     rid: str
 
 
+# NOTE: the engine's verdict on a HealthGenerate comes within this; a client waits a little longer
+# (REPLY_SLACK_S) so that it hears "unhealthy" instead of timing out itself.
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+REPLY_SLACK_S = 10.0
+
+
 class HealthGenerate(Message):
+    """A real one-token generation through the whole engine; answered by a HealthReply."""
+
     rid: str
 
 
