@@ -15,8 +15,9 @@ log = logging.getLogger("detokenizer")
 
 class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
-        # NOTE: building a BPE streaming detokenizer maps the whole vocabulary (~10 ms for 49k
-        # tokens); a shallow copy of one prototype shares that map, so a request pays ~1 µs.
+        # NOTE: building a BPE streaming detokenizer maps the whole vocabulary (~50 ms for 49k
+        # tokens); a shallow copy of one prototype shares that map: ~4 us per request
+        # (docs/architecture.md, "Decisions").
         self._proto = tokenizer.detokenizer
         self._skip = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self._streams: dict[str, TextStream] = {}

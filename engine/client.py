@@ -1,4 +1,4 @@
-"""The Python SDK (DESIGN.md §3): `EngineClient` and `AsyncEngineClient`.
+"""The Python SDK: `EngineClient` and `AsyncEngineClient`.
 
 Both talk to an engine through a transport: the ZeroMQ `Transport` to a launched engine, or the
 `InProcessTransport` (engine.inprocess) for tests and benchmarks; the methods are the same.

@@ -1,8 +1,10 @@
 """The one frozen configuration of an engine.
 
-Every CLI option of `mlx-engine launch` is generated from a field here (see `engine.cli`); "auto"
-values are resolved by `resolve()` before the engine starts, and `validate()` is the one place that
-checks them.
+Every CLI option of `mlx-engine launch` is generated from a field here (see `engine.cli`), and
+`validate()` is the one place that checks them. "auto" and 0 values stay in the config: the part
+that knows the device resolves them (KV budget: scheduler_proc/kv_budget.py; prefill sizes:
+`prefill_sizes` in scheduler_proc/scheduler.py; BLAS and dequantize: engine/cpu_backend.py,
+engine/cpu_dequantize.py; warm-up: the scheduler).
 """
 
 from __future__ import annotations
@@ -75,9 +77,6 @@ class EngineConfig:
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
     startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
-
-    def replace(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
 
     def validate(self) -> EngineConfig:
         # NOTE: max_queued_requests 0 would refuse every request as Overloaded.

@@ -1,5 +1,5 @@
 """The launcher behind `mlx-engine launch`: spawns the three processes, handshakes, watches, and
-owns shutdown (DESIGN.md §1, §5). Runs in the foreground; the exit code tells a supervisor what
+owns shutdown (docs/processes.md, docs/operations.md). Runs in the foreground; the exit code tells a supervisor what
 happened: 0 after a graceful shutdown, 1 when a child failed or had to be killed."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How much KV memory this process may use: device capacity minus the weights, times a fraction.
 
-Per backend (DESIGN.md §6, code paths stay backend-neutral):
+Per backend (code paths stay backend-neutral):
 - Metal: the recommended working set (beyond it macOS pages GPU memory, and an out-of-memory is not
   catchable);
 - CUDA: the device's free memory plus what this process already holds (total memory without NVML);

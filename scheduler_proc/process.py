@@ -1,6 +1,6 @@
 """The scheduler process: drives `Scheduler` with messages, sends its token ids to the detokenizer.
 
-The loop (DESIGN.md §4, §5): check the exit flag first, tick the heartbeat, take messages (block
+The loop (docs/scheduler.md, docs/processes.md): check the exit flag first, tick the heartbeat, take messages (block
 briefly only when idle), enforce the drain deadline, run one scheduler step, send its outputs.
 
 NOTE: no input/output threads here. libzmq already moves bytes on its own I/O thread, so a send is
@@ -96,7 +96,7 @@ class SchedulerLoop:
 
     def run(self) -> None:
         while True:
-            if self._should_exit():  # NOTE: first thing each iteration (seeds/README.md)
+            if self._should_exit():  # NOTE: first each iteration: a shutdown waits for no step
                 break
             self._heartbeat()
             self._receive()

@@ -1,6 +1,6 @@
 """The scheduler core: continuous batching, chunked prefill and the overlap loop, in-process.
 
-`step()` is one loop iteration. With overlap on (DESIGN.md §4), a pure decode step's successor is
+`step()` is one loop iteration. With overlap on (docs/scheduler.md), a pure decode step's successor is
 built on its still-lazy tokens and queued before the loop blocks on it; the chain breaks on a
 finish, an abort, a prefill to run, or shutdown. Rows (KV) move only while nothing is in flight.
 """

@@ -1,10 +1,10 @@
 """What the process boundary costs: the SDK to a launched engine vs the scheduler in-process.
 
-Same model, same workload, same run (DESIGN.md §7: compare ratios measured together):
+Same model, same workload, same run (compare ratios measured together):
   - throughput at concurrency 16 (closed loop: a new request starts when one finishes),
   - time to first token at concurrency 1 (sequential requests).
 The two engines are measured alternately, `--rounds` times each; the best round of each counts.
-Targets (issue 5): the SDK keeps >= 95 % of the throughput and adds <= 2 ms to TTFT.
+Targets: the SDK keeps >= 95 % of the throughput and adds <= 2 ms to TTFT.
 
   .venv/bin/python scripts/bench_process.py                        # default model (SmolLM2-135M)
   .venv/bin/python scripts/bench_process.py --model DIR --requests 32 --max-tokens 32

@@ -1,6 +1,6 @@
 """One client contract, two engines: the in-process transport and a launched multi-process engine.
 
-Every test here runs against both (DESIGN.md §3: same methods, same typed errors).
+Every test here runs against both (same methods, same typed errors).
 """
 
 from __future__ import annotations
