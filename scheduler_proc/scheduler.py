@@ -24,17 +24,17 @@ from engine.messages.to_client import FinishReason, TokenLogprob
 from engine.messages.to_detokenizer import StepOutput
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
-from scheduler_proc.batch import Batch, Chunk
+from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_budget import plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.prefix_reuse import PrefixReuse
 from scheduler_proc.prefix_store import PrefixStore
 from scheduler_proc.request import Req, State
+from scheduler_proc.rows import RowTable
 from scheduler_proc.runner import Runner
 from scheduler_proc.sampling import Sampled, advance
 from scheduler_proc.shapes import Ladders
-from scheduler_proc.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Scheduler:
         store = self.kv_plan.store_tokens
         cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
         self.prefix = PrefixReuse(cache, self.pool)
-        self.slots = SlotTable(self.pool)
+        self.rows = RowTable(self.pool)
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
@@ -126,7 +126,7 @@ class Scheduler:
         return self._emit()
 
     def has_work(self) -> bool:
-        busy = self._current or self._next or self.slots.reqs
+        busy = self._current or self._next or self.rows.reqs
         return bool(busy or self._waiting or self._touched)
 
     def in_flight(self) -> dict[str, int]:
@@ -139,12 +139,12 @@ class Scheduler:
         return self.pool.row_len
 
     def stats(self) -> dict[str, int | float]:
-        used = self.slots.tokens_in_use()
+        used = self.rows.tokens_in_use()
         total = self.pool.rows * self.pool.row_len
         return {
             **self._counters,
-            "running": len(self.slots.reqs),
-            "decoding": self.slots.n_decode,
+            "running": len(self.rows.reqs),
+            "decoding": self.rows.n_decode,
             "waiting": len(self._waiting),
             "kv_rows_in_use": self.pool.rows_in_use,
             "kv_rows_total": self.pool.rows,
@@ -218,7 +218,7 @@ class Scheduler:
             self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
-        if not cur.pure_decode or self.slots.prefilling() or self._admissible():
+        if not cur.pure_decode or self.rows.prefilling() or self._admissible():
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
         return not any(r.finished or r.kv_len - r.prompt_len + 1 >= r.max_new for r in cur.decode)
@@ -227,7 +227,7 @@ class Scheduler:
         return any(r.finished for r in nxt.decode) or self._admissible()
 
     def _admissible(self) -> bool:
-        return bool(self._waiting) and self.slots.free_rows > 0
+        return bool(self._waiting) and self.rows.free_rows > 0
 
     # -- launches ----------------------------------------------------------------------------
     def prepare_launch(self, batch: Batch) -> None:
@@ -263,8 +263,8 @@ class Scheduler:
         whenever there is a row to decode.
         """
         self._admit()
-        rows = self.slots.decoding()
-        joined = [r for r in self.slots.prefilling() if _due(r)]
+        rows = self.rows.decoding()
+        joined = [r for r in self.rows.prefilling() if _due(r)]
         if not (self._prefill_last and (rows or joined)):
             chunks = self._plan_chunks()
             if chunks:
@@ -281,23 +281,23 @@ class Scheduler:
         try:
             while self._admissible():
                 req = self._waiting.popleft()
-                if self.prefix.should_wait(req, self.slots.prefilling()):
+                if self.prefix.should_wait(req, self.rows.prefilling()):
                     deferred.append(req)
                     continue
                 req.state = State.PREFILLING
-                self.slots.add(req)
+                self.rows.add(req)
                 self.prefix.admit(req)
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
             self._waiting.extendleft(reversed(deferred))
 
-    def _plan_chunks(self) -> list[Chunk]:
+    def _plan_chunks(self) -> list[PromptSlice]:
         """Prompt chunks for one padded prefill forward: the width that runs the most tokens.
 
         NOTE: every row of the forward is padded to one width, so a long prompt next to short
         ones gets a chunk of the width that suits them all, and rows x width stays within
         --max-prefill-tokens.
         """
-        todo = [r for r in self.slots.prefilling() if _body_left(r) > 0]
+        todo = [r for r in self.rows.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
 
@@ -311,7 +311,7 @@ class Scheduler:
         chunks = []
         for req in rows(width):
             n = min(_body_left(req), width)
-            chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
+            chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
             if _due(req):
@@ -361,12 +361,12 @@ class Scheduler:
         self._to_publish.clear()
         for req in self._to_promote:
             if not req.finished:
-                self.slots.promote(req)
+                self.rows.promote(req)
         self._to_promote.clear()
         for req in self._to_free.values():
             if req.row is not None:
                 self.prefix.retire(req)
-                self.slots.release(req)
+                self.rows.release(req)
             req.state = State.FINISHED
         self._to_free.clear()
 
