@@ -1,6 +1,6 @@
 """The in-process engine behind the SDK: scheduler, tokenizer and detokenizer on one thread.
 
-`EngineClient(transport=InProcessTransport(model))` has exactly the methods and the errors of a
+`EngineClient(transport=InProcessEngine(model))` has exactly the methods and the errors of a
 client of a launched engine, so one contract test suite runs against both, and benchmarks can
 measure what the process boundary costs. All MLX work stays on the engine thread.
 """
@@ -55,7 +55,10 @@ def _serve_jobs() -> None:
         _jobs.get()()
 
 
-class InProcessTransport:
+class InProcessEngine:
+    """An engine in this process that a client talks to directly: it is its own transport
+    (`register` / `unregister` / `send` / `close`, as `engine.transport.Transport`)."""
+
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
         self.sinks: dict[str, Sink] = {}

@@ -59,9 +59,7 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--launch-log", default=None, help="write the launched engine's log to this file"
     )
-    p.add_argument(
-        "--inprocess-sdk", action="store_true", help="also the SDK over InProcessTransport"
-    )
+    p.add_argument("--inprocess-sdk", action="store_true", help="also the SDK over InProcessEngine")
     return p.parse_args()
 
 
@@ -137,9 +135,9 @@ class Sdk:
         self.address = address
         self._transport = None
         if address is None:
-            from engine.inprocess import InProcessTransport
+            from engine.inprocess import InProcessEngine
 
-            self._transport = InProcessTransport(model)
+            self._transport = InProcessEngine(model)
         self.client = EngineClient(address or "", transport=self._shared())
 
     def _shared(self):  # noqa: ANN202 - a transport that outlives each client

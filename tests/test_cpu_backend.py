@@ -248,7 +248,7 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
     ignored and weights were dequantized whenever 'auto' said so."""
     import shutil
 
-    from engine.inprocess import InProcessTransport
+    from engine.inprocess import InProcessEngine
     from engine.random_model import TOKENIZER_FILES
 
     model_dir = tmp_path / "q4"
@@ -256,7 +256,7 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
     for name in TOKENIZER_FILES:
         shutil.copy(default_model_dir / name, model_dir / name)
     caplog.set_level(logging.INFO, logger="engine.cpu_dequantize")
-    transport = InProcessTransport(str(model_dir), cpu_dequantize=deq, max_total_tokens=4096)
+    transport = InProcessEngine(str(model_dir), cpu_dequantize=deq, max_total_tokens=4096)
     transport.close()
     dequantized = any("dequantized to float32" in r.getMessage() for r in caplog.records)
     assert dequantized == (deq == "on")
