@@ -120,7 +120,7 @@ class InProcessEngine:
         from mlx_lm.utils import load_tokenizer
 
         from engine.models import resolve_model_dir
-        from engine.offline import load_for_scheduler
+        from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
 
         model_dir = resolve_model_dir(self.config.model)

@@ -18,6 +18,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.errors import InvalidRequest  # noqa: E402
 from engine.results import GenerateResult, StreamChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from scheduler_proc.model_loader import load_for_scheduler  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 
 
@@ -83,28 +84,3 @@ def _params(kw: dict[str, Any]) -> SamplingParams:
         return msgspec.convert(kw, SamplingParams)
     except msgspec.ValidationError as e:
         raise InvalidRequest("params", str(e)) from e
-
-
-def load_for_scheduler(model: str | None, config: Any = None) -> tuple[Any, list[int]]:
-    """(model, eos ids), dequantized per `config.cpu_dequantize` on CPU; a weights-only
-    directory (random test models) needs no tokenizer."""
-    from engine.cpu_dequantize import maybe_dequantize
-    from engine.models import load, resolve_model_dir
-
-    model_dir = resolve_model_dir(model)
-    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
-        net, tokenizer = load(str(model_dir))
-        eos = sorted(tokenizer.eos_token_ids)
-    else:
-        from mlx_lm.utils import load_model
-
-        net, model_config = load_model(model_dir)
-        eos = _eos_ids(model_config.get("eos_token_id"))
-    return maybe_dequantize(net, config), eos
-
-
-def _eos_ids(eos: int | list[int] | None) -> list[int]:
-    """config.json's `eos_token_id`: absent, one id or a list."""
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]

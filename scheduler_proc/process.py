@@ -62,8 +62,8 @@ def _create(
     # NOTE: before anything imports mlx.core in this process (a BLAS preload only works then).
     setup_cpu_backend(config)
     from engine.models import resolve_model_dir
-    from engine.offline import load_for_scheduler
     from engine.tokenizer_loader import tokenizer_defaults
+    from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.scheduler import Scheduler
 
     model_dir = resolve_model_dir(config.model)

@@ -81,7 +81,7 @@ def greedy(job: Job) -> dict:
 
 class InProcess:
     def __init__(self, model: str | None) -> None:
-        from engine.offline import load_for_scheduler
+        from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
 
         net, eos = load_for_scheduler(model)

@@ -263,9 +263,9 @@ def main() -> None:
 
     config = EngineConfig(cpu_blas=args.blas, cpu_dequantize=args.dequantize)
     info = setup_cpu_backend(config, log_line=False)
-    from engine.offline import load_for_scheduler
     from engine.random_model import random_model_dir
     from scheduler_proc.kv_cache import probe_model
+    from scheduler_proc.model_loader import load_for_scheduler
 
     path = str(random_model_dir(args.random)) if args.random else args.model
     model, eos = load_for_scheduler(path, config)

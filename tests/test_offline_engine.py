@@ -39,10 +39,17 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
 
 @pytest.mark.slow
 def test_default_model_greedy_parity():
-    from engine.offline import load_for_scheduler
+    from scheduler_proc.model_loader import load_for_scheduler
 
     prompts = [list(range(100, 100 + n)) for n in (1, 7, 130)]
     with OfflineEngine(chunked_prefill_size=32, context_length=512) as eng:
         results = eng.generate(prompts, dict(max_tokens=8, temperature=0.0, ignore_eos=True))
     model, _ = load_for_scheduler(None, eng.config)
     assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
+
+
+def test_eos_ids_from_config_one_parser():
+    """config.json's eos_token_id, read the same way for the scheduler and the tokenizer."""
+    from engine.tokenizer_loader import eos_ids
+
+    assert eos_ids(None) is None and eos_ids(2) == [2] and eos_ids([0, 2]) == [0, 2]
