@@ -269,7 +269,7 @@ from engine.cpu_backend import backend_info
 from engine.cpu_dequantize import is_quantized
 eng = OfflineEngine(sys.argv[1], max_total_tokens=4096, context_length=256)
 r = eng.generate([[1, 2, 3]], dict(max_tokens=2, temperature=0.0))[0]
-print(json.dumps(dict(optimized=backend_info().optimized, completion=r.completion_tokens,
+print(json.dumps(dict(optimized=backend_info().optimized, completion=r.usage.completion_tokens,
                       quantized=is_quantized(eng.scheduler.runner.model))))
 eng.close()
 """
