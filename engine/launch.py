@@ -41,7 +41,7 @@ EXIT_SLACK_S = 10.0  # beyond --shutdown-grace, for the drained pipeline to flus
 TEARDOWN_S = 5.0  # how long the launcher waits for killed children before it gives up
 FAIL_NOTICE_S = 2.0  # how long the tokenizer may take to tell clients the engine died
 TARGETS = {
-    "scheduler": "scheduler_proc.process:run",
+    "scheduler": "scheduler_proc.main:run",
     "tokenizer": "tokenizer_proc.main:run",
     "detokenizer": "detokenizer_proc.main:run",
 }

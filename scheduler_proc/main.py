@@ -1,7 +1,8 @@
 """The scheduler process: drives `Scheduler` with messages, sends its token ids to the detokenizer.
 
-The loop (docs/scheduler.md, docs/processes.md): check the exit flag first, tick the heartbeat, take messages (block
-briefly only when idle), enforce the drain deadline, run one scheduler step, send its outputs.
+The loop (docs/scheduler.md, docs/processes.md): check the exit flag first, tick the heartbeat,
+take messages (block briefly only when idle), enforce the drain deadline, run one scheduler step,
+send its outputs.
 
 NOTE: no input/output threads here. libzmq already moves bytes on its own I/O thread, so a send is
 an enqueue of a few microseconds; Python threads would only add GIL hand-offs next to the step.
