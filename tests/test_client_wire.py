@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from engine_harness import LaunchedEngine, bounded, raw_dealer  # noqa: F401
+from engine_harness import LaunchedEngine, bounded  # noqa: F401
 
 import engine.client as client_module
 from engine.client import EngineClient
@@ -34,18 +34,6 @@ def engine(tiny_model_dir: Path, tmp_path_factory):
     launched = LaunchedEngine(tiny_model_dir, log, *extra).wait_ready()
     yield launched
     launched.stop()
-
-
-@pytest.fixture
-def client(engine):
-    with EngineClient(engine.address, timeout=30.0) as c:
-        yield c
-
-
-@pytest.fixture
-def raw(engine):
-    with raw_dealer(engine.address) as ask:
-        yield ask
 
 
 BAD_FRAMES = [
