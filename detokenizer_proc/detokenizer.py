@@ -1,4 +1,4 @@
-"""Token ids to text deltas for every running request (no sockets here: see detokenizer_proc.main)."""
+"""Token ids to text for every running request (no sockets here: see detokenizer_proc.main)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import copy
 import logging
 from typing import Any
 
+import msgspec
+
 from detokenizer_proc.stream import TextStream
-from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
-from engine.messages.to_detokenizer import StepOutput
+from engine.messages.to_client import Chunk, FinishReason
 
 log = logging.getLogger("detokenizer")
 
@@ -33,7 +34,7 @@ class Detokenizer:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def process(self, outputs: list[StepOutput]) -> tuple[list[Chunk], list[str]]:
+    def process(self, outputs: list[Chunk]) -> tuple[list[Chunk], list[str]]:
         """Chunks for the client, and the rids ended here, by a stop string or an error (the
         scheduler must abort them)."""
         chunks: list[Chunk] = []
@@ -50,7 +51,7 @@ class Detokenizer:
                 ended.append(out.rid)
         return chunks, ended
 
-    def _one(self, out: StepOutput) -> Chunk | None:
+    def _one(self, out: Chunk) -> Chunk | None:
         stream = self._streams.get(out.rid)
         if stream is None:
             # NOTE: a request already ended by a stop string still has a step or two in flight.
@@ -62,27 +63,12 @@ class Detokenizer:
             del self._streams[out.rid]
         return _chunk(out, text, finish)
 
-    def _failed(self, out: StepOutput, error: Exception) -> Chunk:
+    def _failed(self, out: Chunk, error: Exception) -> Chunk:
         log.exception("rid=%s detokenization failed", out.rid)
         self._streams.pop(out.rid, None)
         return _chunk(out, "", "error", f"detokenizer: {type(error).__name__}: {error}")
 
 
-def _chunk(
-    out: StepOutput, text: str, finish: FinishReason | None, error: str | None = None
-) -> Chunk:
-    return Chunk(
-        out.rid,
-        text,
-        list(out.token_ids),
-        finish,
-        out.prompt_tokens,
-        out.completion_tokens,
-        out.cached_tokens,
-        _logprobs(out),
-        error or out.error,
-    )
-
-
-def _logprobs(out: StepOutput) -> list[TokenLogprob]:
-    return list(out.logprobs)
+def _chunk(out: Chunk, text: str, finish: FinishReason | None, error: str | None = None) -> Chunk:
+    """The scheduler's chunk with its text (and how it ended, when that changed here)."""
+    return msgspec.structs.replace(out, text=text, finish_reason=finish, error=error or out.error)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
-from engine.messages.to_detokenizer import StepOutput
 
 
 @dataclass(frozen=True)
@@ -28,12 +27,10 @@ class StreamChunk:
     error: str | None = None
 
     @classmethod
-    def from_wire(cls, c: Chunk | StepOutput) -> StreamChunk:
-        """From a client's `Chunk`, or from a scheduler's `StepOutput` (no text: token ids only,
-        as `OfflineEngine` returns them)."""
-        text = c.text if isinstance(c, Chunk) else ""
+    def from_wire(cls, c: Chunk) -> StreamChunk:
+        """From a `Chunk` (straight from the scheduler in `OfflineEngine`: no text)."""
         usage = Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-        return cls(c.rid, text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error)
+        return cls(c.rid, c.text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error)
 
 
 @dataclass

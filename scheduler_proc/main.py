@@ -21,10 +21,10 @@ from engine import child
 from engine.config import EngineConfig
 from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
+from engine.messages.to_client import Chunk
 from engine.messages.to_detokenizer import (
     Register,
     SchedulerExited,
-    StepOutput,
     StepOutputs,
     ToDetokenizer,
 )
@@ -174,7 +174,7 @@ class SchedulerLoop:
                 self.sched.abort(rid)
             self.aborted_at = time.monotonic()
 
-    def _send(self, outputs: list[StepOutput]) -> None:
+    def _send(self, outputs: list[Chunk]) -> None:
         if outputs:
             self.outbox.put(StepOutputs(outputs))
 
@@ -184,7 +184,8 @@ class SchedulerLoop:
         self.sched.shutdown()
         self._send(self.sched.step())
         # NOTE: whatever the scheduler could not report still gets its terminal output.
-        self._send([StepOutput(rid, [], "abort", n) for rid, n in self.sched.in_flight().items()])
+        lost = self.sched.in_flight().items()
+        self._send([Chunk(rid, finish_reason="abort", prompt_tokens=n) for rid, n in lost])
         mx.synchronize()
         self.outbox.put(SchedulerExited())
         self.inbox.close()

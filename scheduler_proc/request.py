@@ -5,8 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.messages.to_client import FinishReason, TokenLogprob
-from engine.messages.to_detokenizer import StepOutput
+from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 from scheduler_proc.prefix_cache import Hit
 
@@ -62,8 +61,8 @@ class Req:
         elif len(self.output_ids) >= self.max_new:
             self.finish("length")
 
-    def take_output(self) -> StepOutput:
-        out = StepOutput(
+    def take_output(self) -> Chunk:
+        out = Chunk(
             rid=self.rid,
             token_ids=self.new_ids,
             finish_reason=self.finish_reason,

@@ -20,8 +20,7 @@ import mlx.nn as nn
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
-from engine.messages.to_client import FinishReason, TokenLogprob
-from engine.messages.to_detokenizer import StepOutput
+from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, PromptSlice
@@ -116,7 +115,7 @@ class Scheduler:
         if req is not None and not req.finished:
             self._end(req, "abort")
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[Chunk]:
         if not self._closed:
             try:
                 self._step_overlap() if self.overlap else self._step_sync()
@@ -370,7 +369,7 @@ class Scheduler:
             req.state = State.FINISHED
         self._to_free.clear()
 
-    def _emit(self) -> list[StepOutput]:
+    def _emit(self) -> list[Chunk]:
         outs = [req.take_output() for req in self._touched.values()]
         for req in self._touched.values():
             if req.reported_finish:

@@ -15,7 +15,6 @@ from engine.messages import to_launcher as tl
 from engine.messages import to_scheduler as ts
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_client import TokenLogprob
-from engine.messages.to_detokenizer import StepOutput
 from engine.protocol import Codec
 from engine.sampling_params import SamplingParams
 from engine.wire_errors import to_exception, to_failure
@@ -30,7 +29,10 @@ SAMPLES = [
     (tt.FromEngine, tt.Control("drain")),
     (ts.ToScheduler, ts.TokenizedRequest("r1", [1, 2], SamplingParams(stop=["x"]))),
     (ts.ToScheduler, ts.Drain(2.5)),
-    (td.ToDetokenizer, td.StepOutputs([StepOutput("r", [1], logprobs=[TokenLogprob(-0.5)])])),
+    (
+        td.ToDetokenizer,
+        td.StepOutputs([tc.Chunk("r", token_ids=[1], logprobs=[TokenLogprob(-0.5)])]),
+    ),
     (td.ToDetokenizer, td.Register("r", ["\n\n"])),
     (td.ToDetokenizer, tt.RequestFailed(tc.Failure("r", "overloaded", "4 waiting"))),
     (tc.ToClient, tc.Failure("r", "invalid_request", "bad", "top_p")),

@@ -29,7 +29,9 @@ class Welcome(Message):
 
 
 class Chunk(Message):
-    """A text delta of one request; `finish_reason` is set on the request's last chunk only."""
+    """One request's result of one step: its new token ids (the scheduler fills those and the
+    counts) and their text (the detokenizer fills it in). `finish_reason` is set on the request's
+    last chunk only. The one record of a step's result, from the scheduler to the SDK."""
 
     rid: str
     text: str = ""

@@ -7,27 +7,9 @@ One sender keeps every request's messages in order: `Register` before its first 
 
 from __future__ import annotations
 
-import msgspec
-
-from engine.messages.to_client import FinishReason, TokenLogprob
+from engine.messages.to_client import Chunk
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.protocol import Message
-
-
-class StepOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """New tokens of one request since its last output; `finish_reason` set on its last one.
-
-    NOTE: the detokenizer turns it into a `to_client.Chunk` with the same fields plus the text.
-    """
-
-    rid: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprob] = []
-    error: str | None = None  # why, when finish_reason is "error"
 
 
 class Register(Message):
@@ -38,7 +20,9 @@ class Register(Message):
 
 
 class StepOutputs(Message):
-    outputs: list[StepOutput]
+    """One scheduler step's `Chunk`s, token ids only (`text` empty until the detokenizer)."""
+
+    outputs: list[Chunk]
 
 
 class SchedulerExited(Message):
