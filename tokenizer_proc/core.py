@@ -207,7 +207,9 @@ class FrontDoor:
             log.info("client gone; aborting %d request(s): %s", len(rids), rids[:4])
         to_scheduler = []
         for rid in rids:
-            self.table.get(rid).gone = True  # type: ignore[union-attr]
+            entry = self.table.get(rid)
+            if entry is not None:  # NOTE: always, rids come from the table
+                entry.gone = True
             if self.abort(rid, owner):
                 to_scheduler.append(rid)
         return to_scheduler
@@ -217,11 +219,13 @@ class FrontDoor:
         out: list[tuple[Entry, tc.Chunk | tc.Failure]] = []
         for rid in self.table.rids():
             entry = self.table.pop(rid)
+            if entry is None:  # NOTE: never, rids come from the table
+                continue
             if kind == "abort":
                 final: tc.Chunk | tc.Failure = tc.Chunk(rid, finish_reason="abort")
             else:
                 final = tc.Failure(rid, kind, f"an engine process died: {reason}")
-            out.append((entry, final))  # type: ignore[arg-type]
+            out.append((entry, final))
         return out
 
     # --- stats ----------------------------------------------------------------------------------

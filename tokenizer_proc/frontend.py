@@ -155,7 +155,7 @@ class Frontend:
         while True:
             remaining = probe.deadline - time.monotonic()
             try:
-                msg = await asyncio.wait_for(entry.chunks.get(), max(remaining, 0.0))  # type: ignore[union-attr]
+                msg = await asyncio.wait_for(entry.replies().get(), max(remaining, 0.0))
             except asyncio.TimeoutError:
                 self.abort(probe.rid, None)
                 return probe.expired() or (False, "health generation timed out")

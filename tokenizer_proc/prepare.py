@@ -38,12 +38,13 @@ def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) 
     source = source_of(req)
     if req.tools is not None and source != "messages":
         raise InvalidRequest("tools", "tools need messages (a chat)")
-    if source == "messages":
-        ids = _from_messages(req.messages, tokenizer, req.tools)  # type: ignore[arg-type]
-    elif source == "prompt":
-        ids = _from_prompt(req.prompt, tokenizer)  # type: ignore[arg-type]
+    # NOTE: source_of() made sure exactly one of the three is given.
+    if req.messages is not None:
+        ids = _from_messages(req.messages, tokenizer, req.tools)
+    elif req.prompt is not None:
+        ids = _from_prompt(req.prompt, tokenizer)
     else:
-        ids = list(req.input_ids)  # type: ignore[arg-type]
+        ids = list(req.input_ids or [])
     return check_prompt(ids, vocab_size, max_context, source)
 
 
