@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import msgspec
-
 from engine.cpu_backend import setup_cpu_backend
 
 # NOTE: before this module imports mlx.core (through the scheduler): on Linux CPU the optimized
@@ -15,7 +13,6 @@ from engine.cpu_backend import setup_cpu_backend
 setup_cpu_backend(None, log_line=False)
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.errors import InvalidRequest  # noqa: E402
 from engine.results import GenerateResult, StreamChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from scheduler_proc.model_loader import load_for_scheduler  # noqa: E402
@@ -43,7 +40,7 @@ class OfflineEngine:
         try:
             for ids, kw in zip(prompts, per_prompt, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                self.scheduler.submit(rid, list(ids), _params(kw))
+                self.scheduler.submit(rid, list(ids), SamplingParams.parse(kw))
                 results[rid] = GenerateResult(rid)
         except Exception:
             self._abort_all(results)  # NOTE: all or nothing; no orphans left running
@@ -77,10 +74,3 @@ class OfflineEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _params(kw: dict[str, Any]) -> SamplingParams:
-    try:
-        return msgspec.convert(kw, SamplingParams)
-    except msgspec.ValidationError as e:
-        raise InvalidRequest("params", str(e)) from e

@@ -33,8 +33,9 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
             eng.generate([[1, 2], [3]], [dict(max_tokens=4), dict(top_p=0.0)])
         assert err.value.field == "top_p"
         assert not eng.scheduler.has_work() and eng.stats()["requests_aborted"] == 1
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(InvalidRequest) as err:  # NOTE: named as the SDK names it
             eng.generate([[1]], dict(max_tokenz=3))
+        assert err.value.field == "max_tokenz"
 
 
 @pytest.mark.slow

@@ -15,10 +15,9 @@ from engine.messages import to_launcher as tl
 from engine.messages import to_scheduler as ts
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_client import TokenLogprob
-from engine.protocol import Codec
+from engine.protocol import Codec, error_field
 from engine.sampling_params import SamplingParams
 from engine.wire_errors import to_exception, to_failure
-from tokenizer_proc.prepare import error_field, sampling_params
 
 SAMPLES = [
     (tt.FromClient, tt.Generate("r1", prompt="hi", params={"max_tokens": 3})),
@@ -108,7 +107,7 @@ def test_no_pickle_anywhere():
 )
 def test_sampling_params_errors_name_the_field(raw, field):
     with pytest.raises(InvalidRequest) as e:
-        sampling_params(raw, vocab_size=100)
+        SamplingParams.parse(raw, vocab_size=100)
     assert e.value.field == field
 
 

@@ -28,7 +28,6 @@ from engine.messages import to_tokenizer as tt
 from engine.protocol import PROTOCOL_VERSION
 from engine.sampling_params import SamplingParams
 from engine.wire_errors import to_failure
-from tokenizer_proc import prepare
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.requests import Entry, RequestTable
 
@@ -117,7 +116,7 @@ class FrontDoor:
             self._check_admission(msg.rid)
             if screen is not None:
                 screen()
-            params = prepare.sampling_params(msg.params, self.limits.vocab_size)
+            params = SamplingParams.parse(msg.params, self.limits.vocab_size)
         except EngineError:
             self.counters["requests_rejected"] += 1
             raise

@@ -27,7 +27,7 @@ from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
-from engine.protocol import Codec
+from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
@@ -434,6 +434,4 @@ def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:
         else None
     )
     fields = cls.__struct_fields__ if cls is not None else ()
-    return tc.Failure(
-        rid, "invalid_request", str(error), prepare.error_field(str(error), "frame", fields)
-    )
+    return tc.Failure(rid, "invalid_request", str(error), error_field(str(error), "frame", fields))

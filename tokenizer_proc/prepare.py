@@ -1,27 +1,16 @@
-"""Turn a client's `Generate` into prompt token ids and `SamplingParams`, or an `InvalidRequest`
-naming the field. Pure functions of the request and the tokenizer: no sockets, no state."""
+"""Turn a client's `Generate` into prompt token ids, or an `InvalidRequest` naming the field
+(its sampling keywords: `SamplingParams.parse`). Pure functions of the request and the tokenizer:
+no sockets, no state."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-import msgspec
 
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.prompt_check import check_prompt
-from engine.sampling_params import SamplingParams
 
 SOURCES = ("prompt", "messages", "input_ids")
-
-
-def sampling_params(raw: dict[str, Any], vocab_size: int) -> SamplingParams:
-    try:
-        params = msgspec.convert(raw, SamplingParams)
-    except msgspec.ValidationError as e:
-        raise InvalidRequest(error_field(str(e), "params"), str(e)) from None
-    return params.validate(vocab_size)
 
 
 def source_of(req: Generate) -> str:
@@ -74,23 +63,3 @@ def _from_messages(
     except Exception as e:  # NOTE: a template raises anything (jinja errors included)
         raise InvalidRequest("messages", f"chat template failed: {e}") from None
     return list(ids)
-
-
-_PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
-_UNKNOWN = re.compile(r"unknown field `(\w+)`")
-
-
-def error_field(message: str, default: str, fields: tuple[str, ...] = ()) -> str:
-    """The field a msgspec validation error is about: `$.name`, `$[i]` of an array-like struct
-    with `fields` (index 0 is the tag), or an unknown field's name."""
-    if m := _UNKNOWN.search(message):
-        return m.group(1)
-    m = _PATH.search(message)
-    if m is None:
-        return default
-    if m.group(2):
-        return m.group(2)
-    index = int(m.group(1))
-    if index == 0:
-        return "type"
-    return fields[index - 1] if index - 1 < len(fields) else default
