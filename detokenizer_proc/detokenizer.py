@@ -1,4 +1,4 @@
-"""Token ids to text deltas for every running request (no sockets here: see detokenizer_proc.main)."""
+"""Token ids to text for every running request (no sockets here: see detokenizer_proc.main)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ import copy
 import logging
 from typing import Any
 
+import msgspec
+
 from detokenizer_proc.stream import TextStream
-from engine.messages.to_client import Chunk
-from scheduler_proc.output import StepOutput, TokenLogprob
+from engine.messages.to_client import Chunk, FinishReason
 
 log = logging.getLogger("detokenizer")
 
 
 class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
-        # NOTE: building a BPE streaming detokenizer maps the whole vocabulary (~10 ms for 49k
-        # tokens); a shallow copy of one prototype shares that map, so a request pays ~1 µs.
+        # NOTE: building a BPE streaming detokenizer maps the whole vocabulary (~50 ms for 49k
+        # tokens); a shallow copy of one prototype shares that map: ~4 us per request
+        # (docs/architecture.md, "Decisions").
         self._proto = tokenizer.detokenizer
         self._skip = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self._streams: dict[str, TextStream] = {}
@@ -32,7 +34,7 @@ class Detokenizer:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def process(self, outputs: list[StepOutput]) -> tuple[list[Chunk], list[str]]:
+    def process(self, outputs: list[Chunk]) -> tuple[list[Chunk], list[str]]:
         """Chunks for the client, and the rids ended here, by a stop string or an error (the
         scheduler must abort them)."""
         chunks: list[Chunk] = []
@@ -49,37 +51,24 @@ class Detokenizer:
                 ended.append(out.rid)
         return chunks, ended
 
-    def _one(self, out: StepOutput) -> Chunk | None:
+    def _one(self, out: Chunk) -> Chunk | None:
         stream = self._streams.get(out.rid)
         if stream is None:
             # NOTE: a request already ended by a stop string still has a step or two in flight.
             return None
         stream.add(out.token_ids)
         text, hit_stop = stream.take(final=out.finish_reason is not None)
-        finish = "stop" if hit_stop else out.finish_reason
+        finish: FinishReason | None = "stop" if hit_stop else out.finish_reason
         if finish is not None:
             del self._streams[out.rid]
         return _chunk(out, text, finish)
 
-    def _failed(self, out: StepOutput, error: Exception) -> Chunk:
+    def _failed(self, out: Chunk, error: Exception) -> Chunk:
         log.exception("rid=%s detokenization failed", out.rid)
         self._streams.pop(out.rid, None)
         return _chunk(out, "", "error", f"detokenizer: {type(error).__name__}: {error}")
 
 
-def _chunk(out: StepOutput, text: str, finish: str | None, error: str | None = None) -> Chunk:
-    return Chunk(
-        out.rid,
-        text,
-        list(out.token_ids),
-        finish,
-        out.prompt_tokens,
-        out.completion_tokens,
-        out.cached_tokens,
-        _logprobs(out),
-        error or out.error,
-    )
-
-
-def _logprobs(out: StepOutput) -> list[TokenLogprob]:
-    return list(out.logprobs)
+def _chunk(out: Chunk, text: str, finish: FinishReason | None, error: str | None = None) -> Chunk:
+    """The scheduler's chunk with its text (and how it ended, when that changed here)."""
+    return msgspec.structs.replace(out, text=text, finish_reason=finish, error=error or out.error)

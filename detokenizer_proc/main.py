@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import zmq
 
@@ -18,6 +17,7 @@ from engine.messages.to_detokenizer import (
     StepOutputs,
     ToDetokenizer,
 )
+from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, ToScheduler
 from engine.messages.to_tokenizer import Chunks, FromEngine, PipelineDrained, RequestFailed
 from engine.tokenizer_loader import load_tokenizer
@@ -25,11 +25,11 @@ from engine.tokenizer_loader import load_tokenizer
 log = logging.getLogger("detokenizer")
 
 
-def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict[str, Any]) -> None:
+def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: SchedulerFacts) -> None:
     child.setup("detokenizer", config.log_level)
     me = child.Child("detokenizer", endpoints.launcher, parent_pid)
     with me.starting():
-        tokenizer = load_tokenizer(str(facts["model_dir"]), str(facts["tokenizer_defaults"]))
+        tokenizer = load_tokenizer(facts.model_dir, facts.tokenizer_defaults)
         process = DetokenizerProcess(endpoints, tokenizer)
     me.ready()
     process.serve(me.orphaned)
@@ -38,7 +38,7 @@ def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict
 
 class DetokenizerProcess:
     def __init__(self, endpoints: Endpoints, tokenizer: object) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self.detok = Detokenizer(tokenizer)
         self.inbox: PullQueue[ToDetokenizer] = PullQueue(ctx, endpoints.detokenizer, ToDetokenizer)
         self.to_tokenizer: PushQueue[FromEngine] = PushQueue(ctx, endpoints.tokenizer, FromEngine)
@@ -80,7 +80,7 @@ class DetokenizerProcess:
 
     def _forward(self, msg: FromEngine) -> None:
         if isinstance(msg, RequestFailed):
-            self.detok.drop(msg.rid)
+            self.detok.drop(msg.failure.rid)
         self.to_tokenizer.put(msg)
 
     def close(self) -> None:

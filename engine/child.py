@@ -15,7 +15,13 @@ from contextlib import contextmanager
 import zmq
 
 from engine.ipc import PushQueue
-from engine.messages.to_launcher import Ready, ShutdownRequested, StartFailed, ToLauncher
+from engine.messages.to_launcher import (
+    Ready,
+    SchedulerFacts,
+    ShutdownRequested,
+    StartFailed,
+    ToLauncher,
+)
 
 PARENT_POLL_S = 0.5
 ORPHAN_GRACE_S = 3.0
@@ -40,11 +46,11 @@ class Child:
     def __init__(self, name: str, launcher_addr: str, parent_pid: int) -> None:
         self.name = name
         self.orphaned = threading.Event()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._launcher: PushQueue[ToLauncher] = PushQueue(self._ctx, launcher_addr, ToLauncher)
         _watch_parent(parent_pid, self.orphaned)
 
-    def ready(self, **facts: str | int | float) -> None:
+    def ready(self, facts: SchedulerFacts | None = None) -> None:
         self._launcher.put(Ready(self.name, os.getpid(), facts))
 
     def send_launcher_shutdown(self, reason: str) -> None:

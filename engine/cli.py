@@ -48,11 +48,8 @@ def launch(**options: Any) -> None:
         config = EngineConfig(**options).validate()
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    try:
-        from engine.launch import run_engine
-    except ImportError:
-        click.echo("mlx-engine launch: the multi-process engine is not available yet", err=True)
-        sys.exit(2)
+    from engine.launch import run_engine
+
     sys.exit(run_engine(config))
 
 

@@ -1,7 +1,7 @@
-"""The Python SDK (DESIGN.md §3): `EngineClient` and `AsyncEngineClient`.
+"""The Python SDK: `EngineClient` and `AsyncEngineClient`.
 
-Both talk to an engine through a transport: the ZeroMQ `Transport` to a launched engine, or the
-`InProcessTransport` (engine.inprocess) for tests and benchmarks; the methods are the same.
+Both talk to an engine through a transport: the ZeroMQ `Transport` to a launched engine, or an
+`InProcessEngine` (engine.inprocess: its own transport) for tests and benchmarks; same methods.
 Every error is a typed exception from engine.errors; a dead engine raises `EngineDead`.
 """
 
@@ -13,9 +13,9 @@ import queue
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from engine.errors import EngineDead, Timeout
+from engine.errors import EngineDead, EngineError, Timeout
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.protocol import PROTOCOL_VERSION
@@ -24,8 +24,19 @@ from engine.transport import Sink, Transport
 from engine.wire_errors import to_exception
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:30001"
-HEALTH_GENERATE_TIMEOUT_S = 40.0
+HEALTH_GENERATE_WAIT_S = tt.HEALTH_GENERATE_TIMEOUT_S + tt.REPLY_SLACK_S
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
+R = TypeVar("R", bound=tc.ToClient)
+# NOTE: every client call but Ping / Goodbye (the transport's own) carries a rid to answer to.
+Call = (
+    tt.Hello
+    | tt.Generate
+    | tt.AbortRequest
+    | tt.HealthCheck
+    | tt.HealthGenerate
+    | tt.GetStats
+    | tt.ShutdownEngine
+)
 
 
 class TransportLike(Protocol):
@@ -54,14 +65,17 @@ def _generate_msg(
     return tt.Generate(_rid(rid), prompt, messages, input_ids, sampling)
 
 
-def _unwrap(msg: tc.ToClient) -> tc.ToClient:
+def _expect(msg: tc.ToClient, reply: type[R]) -> R:
+    """The reply a call expects; a `Failure` raises its typed exception."""
     if isinstance(msg, tc.Failure):
         raise to_exception(msg)
+    if not isinstance(msg, reply):
+        raise EngineError(f"the engine answered {type(msg).__name__}, not {reply.__name__}")
     return msg
 
 
 def _chunk(msg: tc.ToClient) -> StreamChunk:
-    return StreamChunk.from_wire(_unwrap(msg))  # type: ignore[arg-type]
+    return StreamChunk.from_wire(_expect(msg, tc.Chunk))
 
 
 def _abort_quietly(transport: TransportLike, rid: str) -> None:
@@ -79,8 +93,8 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-class EngineClient:
-    """Blocking client; safe to share between threads (each call has its own reply queue)."""
+class _Client:
+    """What both clients share: settings, the transport, and every call's message and reply."""
 
     def __init__(
         self,
@@ -92,14 +106,38 @@ class EngineClient:
         transport: TransportLike | None = None,
         api_key: str | None = None,
     ) -> None:
+        self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._key = _api_key(api_key)
         self._t = transport or Transport(address, dead_after)
+        self._started()
+
+    def _started(self) -> None:
+        """Called at the end of __init__ (the blocking client says hello there)."""
+
+    def _hello(self) -> tt.Hello:
+        return tt.Hello(_rid(), PROTOCOL_VERSION, self._key)
+
+    def _stats(self) -> tt.GetStats:
+        return tt.GetStats(_rid(), self._key)
+
+    def _shutdown(self) -> tt.ShutdownEngine:
+        return tt.ShutdownEngine(_rid(), self._key)
+
+    def _no_engine(self) -> EngineDead:
+        return EngineDead(f"no engine answers at {self.address}")
+
+
+class EngineClient(_Client):
+    """Blocking client; safe to share between threads (each call has its own reply queue)."""
+
+    def _started(self) -> None:
         try:
-            self.info = self._call(tt.Hello(_rid(), PROTOCOL_VERSION, self._key), connect_timeout)
+            self.info = self._call(self._hello(), tc.Welcome, self.connect_timeout)
         except Timeout:
             self._t.close()
-            raise EngineDead(f"no engine answers at {address}") from None
+            raise self._no_engine() from None
         except BaseException:
             self._t.close()
             raise
@@ -149,29 +187,22 @@ class EngineClient:
                 _abort_quietly(self._t, msg.rid)
 
     def abort(self, rid: str) -> None:
-        self._call(tt.AbortRequest(_rid(), rid))
+        self._call(tt.AbortRequest(_rid(), rid), tc.Ack)
 
     def health(self) -> bool:
         """True when every process is alive and the scheduler loop ticked recently."""
-        try:
-            return self._call(tt.HealthCheck(_rid())).healthy  # type: ignore[union-attr]
-        except (EngineDead, Timeout):
-            return False
+        return self._healthy(tt.HealthCheck(_rid()), None)
 
     def health_generate(self) -> bool:
         """True when a real one-token generation went through all three processes."""
-        try:
-            reply = self._call(tt.HealthGenerate(_rid()), HEALTH_GENERATE_TIMEOUT_S)
-            return reply.healthy  # type: ignore[union-attr]
-        except (EngineDead, Timeout):
-            return False
+        return self._healthy(tt.HealthGenerate(_rid()), HEALTH_GENERATE_WAIT_S)
 
     def stats(self) -> dict[str, float]:
-        return self._call(tt.GetStats(_rid(), self._key)).stats  # type: ignore[union-attr]
+        return self._call(self._stats(), tc.StatsReply).stats
 
     def shutdown(self) -> None:
         """Ask the engine to shut down gracefully (as SIGTERM does)."""
-        self._call(tt.ShutdownEngine(_rid(), self._key))
+        self._call(self._shutdown(), tc.Ack)
 
     def close(self) -> None:
         self._t.close()
@@ -184,12 +215,18 @@ class EngineClient:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    def _call(self, msg: Any, timeout: float | None = None) -> tc.ToClient:
+    def _healthy(self, msg: tt.HealthCheck | tt.HealthGenerate, timeout: float | None) -> bool:
+        try:
+            return self._call(msg, tc.HealthReply, timeout).healthy
+        except (EngineDead, Timeout):
+            return False
+
+    def _call(self, msg: Call, reply: type[R], timeout: float | None = None) -> R:
         replies: queue.SimpleQueue[tc.ToClient] = queue.SimpleQueue()
         self._t.register(msg.rid, replies.put)
         try:
             self._t.send(msg)
-            return _unwrap(self._get(replies, _deadline(timeout or self.timeout)))
+            return _expect(self._get(replies, _deadline(timeout or self.timeout)), reply)
         finally:
             self._t.unregister(msg.rid)
 
@@ -200,35 +237,20 @@ class EngineClient:
             raise Timeout("no answer from the engine within the deadline") from None
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(_Client):
     """The same calls as coroutines and async iterators, for asyncio programs."""
 
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        timeout: float = 30.0,
-        connect_timeout: float = 10.0,
-        dead_after: float = 5.0,
-        transport: TransportLike | None = None,
-        api_key: str | None = None,
-    ) -> None:
-        self.timeout = timeout
-        self._key = _api_key(api_key)
-        self.connect_timeout = connect_timeout
-        self.address = address
-        self._t = transport or Transport(address, dead_after)
-        self.info: tc.Welcome | None = None
+    info: tc.Welcome | None = None
 
     async def connect(self) -> AsyncEngineClient:
         """Check the protocol version (done by the first call when not called explicitly)."""
         if self.info is None:
             try:
-                self.info = await self._call(  # type: ignore[assignment]
-                    tt.Hello(_rid(), PROTOCOL_VERSION, self._key), self.connect_timeout, hello=False
+                self.info = await self._call(
+                    self._hello(), tc.Welcome, self.connect_timeout, hello=False
                 )
             except Timeout:
-                raise EngineDead(f"no engine answers at {self.address}") from None
+                raise self._no_engine() from None
         return self
 
     async def generate(
@@ -276,26 +298,19 @@ class AsyncEngineClient:
                 _abort_quietly(self._t, msg.rid)
 
     async def abort(self, rid: str) -> None:
-        await self._call(tt.AbortRequest(_rid(), rid))
+        await self._call(tt.AbortRequest(_rid(), rid), tc.Ack)
 
     async def health(self) -> bool:
-        try:
-            return (await self._call(tt.HealthCheck(_rid()))).healthy  # type: ignore[union-attr]
-        except (EngineDead, Timeout):
-            return False
+        return await self._healthy(tt.HealthCheck(_rid()), None)
 
     async def health_generate(self) -> bool:
-        try:
-            reply = await self._call(tt.HealthGenerate(_rid()), HEALTH_GENERATE_TIMEOUT_S)
-            return reply.healthy  # type: ignore[union-attr]
-        except (EngineDead, Timeout):
-            return False
+        return await self._healthy(tt.HealthGenerate(_rid()), HEALTH_GENERATE_WAIT_S)
 
     async def stats(self) -> dict[str, float]:
-        return (await self._call(tt.GetStats(_rid(), self._key))).stats  # type: ignore[union-attr]
+        return (await self._call(self._stats(), tc.StatsReply)).stats
 
     async def shutdown(self) -> None:
-        await self._call(tt.ShutdownEngine(_rid(), self._key))
+        await self._call(self._shutdown(), tc.Ack)
 
     async def close(self) -> None:
         self._t.close()
@@ -307,6 +322,14 @@ class AsyncEngineClient:
         await self.close()
 
     # --- plumbing -------------------------------------------------------------------------------
+
+    async def _healthy(
+        self, msg: tt.HealthCheck | tt.HealthGenerate, timeout: float | None
+    ) -> bool:
+        try:
+            return (await self._call(msg, tc.HealthReply, timeout)).healthy
+        except (EngineDead, Timeout):
+            return False
 
     def _register(self, rid: str) -> asyncio.Queue[tc.ToClient]:
         loop = asyncio.get_running_loop()
@@ -323,14 +346,14 @@ class AsyncEngineClient:
         return replies
 
     async def _call(
-        self, msg: Any, timeout: float | None = None, hello: bool = True
-    ) -> tc.ToClient:
+        self, msg: Call, reply: type[R], timeout: float | None = None, hello: bool = True
+    ) -> R:
         if hello:
             await self.connect()
         replies = self._register(msg.rid)
         try:
             self._t.send(msg)
-            return _unwrap(await self._get(replies, _deadline(timeout or self.timeout)))
+            return _expect(await self._get(replies, _deadline(timeout or self.timeout)), reply)
         finally:
             self._t.unregister(msg.rid)
 

@@ -1,8 +1,10 @@
 """The one frozen configuration of an engine.
 
-Every CLI option of `mlx-engine launch` is generated from a field here (see `engine.cli`); "auto"
-values are resolved by `resolve()` before the engine starts, and `validate()` is the one place that
-checks them.
+Every CLI option of `mlx-engine launch` is generated from a field here (see `engine.cli`), and
+`validate()` is the one place that checks them. "auto" and 0 values stay in the config: the part
+that knows the device resolves them (KV budget: scheduler_proc/kv_budget.py; prefill sizes:
+`prefill_sizes` in scheduler_proc/scheduler.py; BLAS and dequantize: engine/cpu_backend.py,
+engine/cpu_dequantize.py; warm-up: the scheduler).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import dataclasses
 import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
+
+ON_OFF_AUTO = ("auto", "on", "off")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -74,9 +78,6 @@ class EngineConfig:
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
     startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
 
-    def replace(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
-
     def validate(self) -> EngineConfig:
         # NOTE: max_queued_requests 0 would refuse every request as Overloaded.
         positive = (
@@ -116,14 +117,14 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
-        if self.warmup not in ("auto", "on", "off"):
+        if self.warmup not in ON_OFF_AUTO:
             raise ValueError(f"warmup must be auto, on or off, got {self.warmup}")
         if not self.api_key and not _loopback(self.host):
             raise ValueError(
                 f"--host {self.host} accepts clients from other machines: set --api-key (or "
                 "MLX_ENGINE_API_KEY) so they must present a key, or bind 127.0.0.1"
             )
-        if self.cpu_dequantize not in ("auto", "on", "off"):
+        if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
 

@@ -9,36 +9,31 @@ On Metal and CUDA the quantized kernels are the fast path, so "auto" leaves the 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from engine.config import ON_OFF_AUTO, EngineConfig
 from engine.cpu_backend import BackendInfo, backend_info
 from engine.memory import weights_bytes
 
 log = logging.getLogger("engine.cpu_dequantize")
 
-_ON = ("on", "true", "yes", "1")
-_OFF = ("off", "false", "no", "0")
-
 
 def resolve_dequantize(value: str, info: BackendInfo | None) -> bool:
-    """Resolve `config.cpu_dequantize`: "auto" is on for the CPU backend with an optimized BLAS."""
-    value = value.lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    if value != "auto":
+    """Resolve `config.cpu_dequantize` (auto, on or off, as `EngineConfig.validate()` allows):
+    "auto" is on for the CPU backend with an optimized BLAS."""
+    if value not in ON_OFF_AUTO:
         raise ValueError(f"cpu_dequantize must be auto, on or off, got {value!r}")
+    if value != "auto":
+        return value == "on"
     return _on_cpu() and info is not None and info.optimized
 
 
-def maybe_dequantize(model: nn.Module, config: Any = None) -> nn.Module:
+def maybe_dequantize(model: nn.Module, config: EngineConfig | None = None) -> nn.Module:
     """Apply the dequantize policy to a loaded mlx-lm model; returns the model (changed in place)."""
-    value = str(getattr(config, "cpu_dequantize", "auto") or "auto")
+    value = config.cpu_dequantize if config is not None else "auto"
     if not resolve_dequantize(value, backend_info()) or not is_quantized(model):
         return model
     before = weights_bytes(model)

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -97,9 +97,10 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     # NOTE: MLX trusts the header; a corrupt one crashes the process inside mx.load (SIGSEGV).
     check_gguf(path)
     try:
-        return mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise ModelError(f"{path}: cannot read GGUF: {e}") from e
+    return cast("tuple[dict[str, mx.array], dict[str, Any]]", loaded)
 
 
 def convert_gguf(src: Path, out: Path) -> Path:

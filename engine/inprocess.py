@@ -1,6 +1,6 @@
 """The in-process engine behind the SDK: scheduler, tokenizer and detokenizer on one thread.
 
-`EngineClient(transport=InProcessTransport(model))` has exactly the methods and the errors of a
+`EngineClient(transport=InProcessEngine(model))` has exactly the methods and the errors of a
 client of a launched engine, so one contract test suite runs against both, and benchmarks can
 measure what the process boundary costs. All MLX work stays on the engine thread.
 """
@@ -55,7 +55,10 @@ def _serve_jobs() -> None:
         _jobs.get()()
 
 
-class InProcessTransport:
+class InProcessEngine:
+    """An engine in this process that a client talks to directly: it is its own transport
+    (`register` / `unregister` / `send` / `close`, as `engine.transport.Transport`)."""
+
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
         self.sinks: dict[str, Sink] = {}
@@ -117,7 +120,7 @@ class InProcessTransport:
         from mlx_lm.utils import load_tokenizer
 
         from engine.models import resolve_model_dir
-        from engine.offline import load_for_scheduler
+        from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
 
         model_dir = resolve_model_dir(self.config.model)
@@ -129,7 +132,7 @@ class InProcessTransport:
             Limits(
                 model=model_dir.name,
                 vocab_size=int(self.sched.vocab),
-                max_context=int(self.sched.stats()["kv_row_len"]),
+                max_context=self.sched.max_context,
                 max_in_flight=self.config.max_running_requests + self.config.max_queued_requests,
                 api_key=self.config.api_key,
             )
@@ -210,7 +213,7 @@ class InProcessTransport:
             ids = prepare.token_ids(
                 msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context
             )
-            self.sched.submit(msg.rid, ids, params)
+            self.sched.submit(msg.rid, ids, params, checked=True)
         except EngineError as e:
             self._reply(self.core.fail(msg.rid, e))
             return

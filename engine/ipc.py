@@ -119,7 +119,8 @@ class AsyncPullQueue(Generic[T]):
 
     async def get(self) -> T | None:
         """The next message; None for a malformed frame (logged)."""
-        frame = await self._sock.recv(copy=False)
+        # NOTE: pyzmq's stubs give zmq.asyncio's recv the blocking socket's return type.
+        frame = await self._sock.recv(copy=False)  # type: ignore[misc]
         try:
             return self._codec.decode(frame.buffer)
         except msgspec.MsgspecError as e:

@@ -1,5 +1,5 @@
 """The launcher behind `mlx-engine launch`: spawns the three processes, handshakes, watches, and
-owns shutdown (DESIGN.md §1, §5). Runs in the foreground; the exit code tells a supervisor what
+owns shutdown (docs/processes.md, docs/operations.md). Runs in the foreground; the exit code tells a supervisor what
 happened: 0 after a graceful shutdown, 1 when a child failed or had to be killed."""
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.ipc import Endpoints, PullQueue, PushQueue
-from engine.messages.to_launcher import Ready, ShutdownRequested, StartFailed, ToLauncher
+from engine.messages.to_launcher import (
+    Ready,
+    SchedulerFacts,
+    ShutdownRequested,
+    StartFailed,
+    ToLauncher,
+)
 from engine.messages.to_scheduler import Drain, ToScheduler
 from engine.messages.to_tokenizer import Control, FromEngine
 
@@ -35,7 +41,7 @@ EXIT_SLACK_S = 10.0  # beyond --shutdown-grace, for the drained pipeline to flus
 TEARDOWN_S = 5.0  # how long the launcher waits for killed children before it gives up
 FAIL_NOTICE_S = 2.0  # how long the tokenizer may take to tell clients the engine died
 TARGETS = {
-    "scheduler": "scheduler_proc.process:run",
+    "scheduler": "scheduler_proc.main:run",
     "tokenizer": "tokenizer_proc.main:run",
     "detokenizer": "detokenizer_proc.main:run",
 }
@@ -171,14 +177,14 @@ class Launcher:
         self.procs["tokenizer"] = spawn("tokenizer", self.config, self.endpoints, pid, sched)
         return self._await_ready({"detokenizer", "tokenizer"}) is not None
 
-    def _await_ready(self, names: set[str]) -> dict[str, dict[str, Any]] | None:
+    def _await_ready(self, names: set[str]) -> dict[str, SchedulerFacts | None] | None:
         deadline = time.monotonic() + self.config.startup_timeout
-        facts: dict[str, dict[str, Any]] = {}
+        facts: dict[str, SchedulerFacts | None] = {}
         while len(facts) < len(names):
             msg = self.inbox.get(POLL_S)
             if isinstance(msg, Ready):
                 log.info("%s ready (pid %d)", msg.process, msg.pid)
-                facts[msg.process] = dict(msg.facts)
+                facts[msg.process] = msg.facts
             elif isinstance(msg, StartFailed):
                 log.error("%s failed to start: %s", msg.process, msg.error)
                 return None

@@ -1,6 +1,6 @@
 """How much KV memory this process may use: device capacity minus the weights, times a fraction.
 
-Per backend (DESIGN.md §6, code paths stay backend-neutral):
+Per backend (code paths stay backend-neutral):
 - Metal: the recommended working set (beyond it macOS pages GPU memory, and an out-of-memory is not
   catchable);
 - CUDA: the device's free memory plus what this process already holds (total memory without NVML);
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,7 +64,8 @@ def _available_ram() -> int:
 
 
 def weights_bytes(model: nn.Module) -> int:
-    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    params = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    return sum(p.nbytes for _, p in params)
 
 
 def kv_budget(

@@ -87,6 +87,7 @@ def load(model: str | os.PathLike | None) -> tuple[Any, Any]:
 
     model_dir = resolve_model_dir(model)
     try:
-        return mlx_lm_load(str(model_dir))
+        net, tokenizer = mlx_lm_load(str(model_dir))[:2]
+        return net, tokenizer
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelError(f"{model_dir}: cannot load model: {e}") from e

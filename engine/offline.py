@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from engine.cpu_backend import setup_cpu_backend
 
@@ -16,32 +13,15 @@ from engine.cpu_backend import setup_cpu_backend
 setup_cpu_backend(None, log_line=False)
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.errors import InvalidRequest  # noqa: E402
+from engine.results import GenerateResult, StreamChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from scheduler_proc.output import StepOutput, TokenLogprob  # noqa: E402
+from scheduler_proc.model_loader import load_for_scheduler  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 
 
-@dataclass
-class GenerationResult:
-    rid: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None
-
-    def add(self, out: StepOutput) -> None:
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.finish_reason, self.error = out.finish_reason, out.error
-        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
-        self.cached_tokens = out.cached_tokens
-
-
 class OfflineEngine:
+    """Token ids in, the SDK's `GenerateResult`s out (token ids and usage; no text)."""
+
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
         setup_cpu_backend(self.config)  # NOTE: logs which BLAS MLX calls, once per process
@@ -53,32 +33,32 @@ class OfflineEngine:
         self,
         prompts: list[list[int]],
         params: dict[str, Any] | list[dict[str, Any]] | None = None,
-    ) -> list[GenerationResult]:
+    ) -> list[GenerateResult]:
         """Run every prompt to completion; one dict of sampling keywords applies to all."""
         per_prompt = params if isinstance(params, list) else [params or {}] * len(prompts)
-        results: dict[str, GenerationResult] = {}
+        results: dict[str, GenerateResult] = {}
         try:
             for ids, kw in zip(prompts, per_prompt, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                self.scheduler.submit(rid, list(ids), _params(kw))
-                results[rid] = GenerationResult(rid)
+                self.scheduler.submit(rid, list(ids), SamplingParams.parse(kw))
+                results[rid] = GenerateResult(rid)
         except Exception:
             self._abort_all(results)  # NOTE: all or nothing; no orphans left running
             raise
         self._run(results)
         return list(results.values())
 
-    def _abort_all(self, results: dict[str, GenerationResult]) -> None:
+    def _abort_all(self, results: dict[str, GenerateResult]) -> None:
         for rid in results:
             self.scheduler.abort(rid)
         self._run(results)
 
-    def _run(self, results: dict[str, GenerationResult]) -> None:
+    def _run(self, results: dict[str, GenerateResult]) -> None:
         pending = {rid for rid, r in results.items() if r.finish_reason is None}
         while pending:
             for out in self.scheduler.step():
                 if out.rid in results:
-                    results[out.rid].add(out)
+                    results[out.rid].add(StreamChunk.from_wire(out))
                     if out.finish_reason is not None:
                         pending.discard(out.rid)
 
@@ -94,35 +74,3 @@ class OfflineEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _params(kw: dict[str, Any]) -> SamplingParams:
-    try:
-        return msgspec.convert(kw, SamplingParams)
-    except msgspec.ValidationError as e:
-        raise InvalidRequest("params", str(e)) from e
-
-
-def load_for_scheduler(model: str | None, config: Any = None) -> tuple[Any, list[int]]:
-    """(model, eos ids), dequantized per `config.cpu_dequantize` on CPU; a weights-only
-    directory (random test models) needs no tokenizer."""
-    from engine.cpu_dequantize import maybe_dequantize
-    from engine.models import load, resolve_model_dir
-
-    model_dir = resolve_model_dir(model)
-    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
-        net, tokenizer = load(str(model_dir))
-        eos = sorted(tokenizer.eos_token_ids)
-    else:
-        from mlx_lm.utils import load_model
-
-        net, model_config = load_model(model_dir)
-        eos = _eos_ids(model_config.get("eos_token_id"))
-    return maybe_dequantize(net, config), eos
-
-
-def _eos_ids(eos: int | list[int] | None) -> list[int]:
-    """config.json's `eos_token_id`: absent, one id or a list."""
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]

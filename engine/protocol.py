@@ -1,4 +1,5 @@
-"""Wire basics shared by every socket: the message base class, the protocol version, the codec.
+"""Wire basics shared by every socket: the message base class, the protocol version, the codec,
+and `error_field` (which field a msgspec validation error is about).
 
 Every frame on every socket is one `Message` subclass from a module in `engine.messages`, encoded
 with msgpack. Subclasses are tagged by class name, so each socket decodes one tagged union with a
@@ -7,6 +8,7 @@ typed decoder: an unknown tag or a malformed frame is a `msgspec.ValidationError
 
 from __future__ import annotations
 
+import re
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -35,3 +37,23 @@ class Codec(Generic[T]):
     def decode(self, frame: bytes | memoryview) -> T:
         """Decode one frame; raises `msgspec.DecodeError` / `ValidationError` on a bad frame."""
         return self._decoder.decode(frame)
+
+
+_PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
+_UNKNOWN = re.compile(r"unknown field `(\w+)`")
+
+
+def error_field(message: str, default: str, fields: tuple[str, ...] = ()) -> str:
+    """The field a msgspec validation error is about: `$.name`, `$[i]` of an array-like struct
+    with `fields` (index 0 is the tag), or an unknown field's name."""
+    if m := _UNKNOWN.search(message):
+        return m.group(1)
+    m = _PATH.search(message)
+    if m is None:
+        return default
+    if m.group(2):
+        return m.group(2)
+    index = int(m.group(1))
+    if index == 0:
+        return "type"
+    return fields[index - 1] if index - 1 < len(fields) else default

@@ -1,11 +1,10 @@
-"""What the SDK returns: stream chunks and whole results (plain data, no wire types)."""
+"""What the SDK and `OfflineEngine` return: stream chunks and whole results (plain data)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from engine.messages.to_client import Chunk
+from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -22,13 +21,14 @@ class StreamChunk:
     rid: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     usage: Usage
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
 
     @classmethod
     def from_wire(cls, c: Chunk) -> StreamChunk:
+        """From a `Chunk` (straight from the scheduler in `OfflineEngine`: no text)."""
         usage = Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         return cls(c.rid, c.text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error)
 
@@ -38,9 +38,9 @@ class GenerateResult:
     rid: str
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
-    logprobs: list[Any] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
 
     def add(self, chunk: StreamChunk) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine.errors import InvalidRequest
+from engine.protocol import error_field
 
 MAX_TOP_LOGPROBS = 20
 
@@ -23,6 +26,16 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0: none
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], vocab_size: int | None = None) -> SamplingParams:
+        """A client's sampling keywords, converted and validated; `InvalidRequest` names the
+        first bad one (an unknown keyword by its own name)."""
+        try:
+            params = msgspec.convert(raw, cls)
+        except msgspec.ValidationError as e:
+            raise InvalidRequest(error_field(str(e), "params"), str(e)) from None
+        return params.validate(vocab_size)
 
     @property
     def greedy(self) -> bool:

@@ -51,9 +51,13 @@ def _mlx_lm_without_init() -> None:
 
 def _config_eos(model_dir: Path) -> list[int] | None:
     try:
-        eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id")
+        return eos_ids(json.loads((model_dir / "config.json").read_text()).get("eos_token_id"))
     except (OSError, ValueError):
         return None
-    if eos is None:
+
+
+def eos_ids(value: int | list[int] | None) -> list[int] | None:
+    """config.json's `eos_token_id` (absent, one id or a list) as a list; None when absent."""
+    if value is None:
         return None
-    return list(eos) if isinstance(eos, list) else [eos]
+    return list(value) if isinstance(value, list) else [value]

@@ -14,8 +14,9 @@ from scheduler_proc.sampling import Sampled, SamplerState
 
 
 @dataclass(eq=False)
-class Chunk:
-    """Prompt tokens `[start, end)` of one request, written to its row by a prefill step."""
+class PromptSlice:
+    """Prompt tokens `[start, end)` of one request, written to its row by a prefill step (a
+    "prefill chunk"; the wire's `Chunk` is a text delta, another thing)."""
 
     req: Req
     start: int
@@ -29,7 +30,7 @@ class Batch:
 
     decode: list[Req] = field(default_factory=list)
     joined: list[Req] = field(default_factory=list)
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: list[PromptSlice] = field(default_factory=list)
     sampler: SamplerState | None = None
     chained: bool = False
     step_index: int = -1  # stamped by prepare_launch

@@ -23,7 +23,9 @@ class Node:
     __slots__ = ("tokens", "slots", "children", "parent", "ref", "last_used")
 
     def __init__(self, tokens: list[int], slots: list[int], parent: Node | None) -> None:
-        self.tokens, self.slots, self.parent = tokens, slots, parent
+        self.tokens, self.slots = tokens, slots
+        # NOTE: the root is its own parent, so every node has one; walks up stop at the root.
+        self.parent: Node = parent if parent is not None else self
         self.children: dict[int, Node] = {}
         self.ref = 0
         self.last_used = 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
-from scheduler_proc.output import StepOutput, TokenLogprob
 from scheduler_proc.prefix_cache import Hit
 
 
@@ -30,7 +30,7 @@ class Req:
     prefilled: int = 0  # prompt tokens launched into the KV
     kv_len: int = 0  # tokens launched into the KV (prompt + decode inputs)
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     new_ids: list[int] = field(default_factory=list)  # not yet reported
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -46,7 +46,7 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def finish(self, reason: str, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason, self.error = reason, error
 
@@ -61,8 +61,8 @@ class Req:
         elif len(self.output_ids) >= self.max_new:
             self.finish("length")
 
-    def take_output(self) -> StepOutput:
-        out = StepOutput(
+    def take_output(self) -> Chunk:
+        out = Chunk(
             rid=self.rid,
             token_ids=self.new_ids,
             finish_reason=self.finish_reason,

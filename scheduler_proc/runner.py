@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.sampling_params import SamplingParams
-from scheduler_proc.batch import Batch, Chunk
+from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_cache import KVPool, LayerCache, StepRows
 from scheduler_proc.request import Req
 from scheduler_proc.sampling import RowParams, Sampled, SamplerState, build_state, sample
@@ -57,7 +57,7 @@ class Runner:
         return mx.array(tokens, dtype=mx.int32)
 
     # -- prefill -------------------------------------------------------------------------------
-    def _prefill(self, chunks: list[Chunk]) -> None:
+    def _prefill(self, chunks: list[PromptSlice]) -> None:
         """Prompt chunks of several rows in one padded forward; only the KV writes are used.
 
         NOTE: the logits are never evaluated, so the LM head (and the last layer's MLP) never

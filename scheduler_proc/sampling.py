@@ -135,8 +135,9 @@ def _top_p_threshold(probs: mx.array, top_p: mx.array) -> mx.array:
 
 
 def _apply_penalties(logits: mx.array, state: SamplerState) -> mx.array:
-    counts = state.counts
-    seen = state.prompt_seen | (counts > 0)
+    counts, prompt_seen = state.counts, state.prompt_seen
+    assert counts is not None and prompt_seen is not None, "penalties without their counts"
+    seen = prompt_seen | (counts > 0)
     rep = state.repetition[:, None]
     penalised = mx.where(logits > 0, logits / rep, logits * rep)
     x = mx.where(seen, penalised, logits)

@@ -1,6 +1,6 @@
 """The scheduler core: continuous batching, chunked prefill and the overlap loop, in-process.
 
-`step()` is one loop iteration. With overlap on (DESIGN.md §4), a pure decode step's successor is
+`step()` is one loop iteration. With overlap on (docs/scheduler.md), a pure decode step's successor is
 built on its still-lazy tokens and queued before the loop blocks on it; the chain breaks on a
 finish, an abort, a prefill to run, or shutdown. Rows (KV) move only while nothing is in flight.
 """
@@ -12,6 +12,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,19 +20,20 @@ import mlx.nn as nn
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
+from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
+from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
-from scheduler_proc.batch import Batch, Chunk
+from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_budget import plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
-from scheduler_proc.output import StepOutput, TokenLogprob
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.prefix_reuse import PrefixReuse
 from scheduler_proc.prefix_store import PrefixStore
 from scheduler_proc.request import Req, State
+from scheduler_proc.rows import RowTable
 from scheduler_proc.runner import Runner
 from scheduler_proc.sampling import Sampled, advance
 from scheduler_proc.shapes import Ladders
-from scheduler_proc.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class Scheduler:
         store = self.kv_plan.store_tokens
         cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
         self.prefix = PrefixReuse(cache, self.pool)
-        self.slots = SlotTable(self.pool)
+        self.rows = RowTable(self.pool)
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
@@ -87,10 +89,18 @@ class Scheduler:
         self.warm_up_s = self._warm_up()
 
     # -- public interface --------------------------------------------------------------------
-    def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+    def submit(
+        self, rid: str, input_ids: list[int], params: SamplingParams, checked: bool = False
+    ) -> None:
+        """Queue a request. `checked`: the front door already ran the prompt and parameter rules
+        against this scheduler's limits (tokenizer_proc/prepare.py), so they run once."""
         if self._closed:
             raise ShuttingDown("the scheduler is shutting down")
-        self._check_request(rid, input_ids, params)
+        if rid in self._reqs:
+            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
+        if not checked:
+            params.validate(self.vocab)
+            check_prompt(input_ids, self.vocab, self.max_context, "input_ids")
         if len(self._waiting) >= self.config.max_queued_requests:
             raise Overloaded(f"{len(self._waiting)} requests already waiting")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
@@ -105,7 +115,7 @@ class Scheduler:
         if req is not None and not req.finished:
             self._end(req, "abort")
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[Chunk]:
         if not self._closed:
             try:
                 self._step_overlap() if self.overlap else self._step_sync()
@@ -115,16 +125,25 @@ class Scheduler:
         return self._emit()
 
     def has_work(self) -> bool:
-        busy = self._current or self._next or self.slots.reqs
+        busy = self._current or self._next or self.rows.reqs
         return bool(busy or self._waiting or self._touched)
 
+    def in_flight(self) -> dict[str, int]:
+        """rid -> prompt tokens of every request whose terminal output is not yet reported."""
+        return {rid: req.prompt_len for rid, req in self._reqs.items()}
+
+    @property
+    def max_context(self) -> int:
+        """Most tokens (prompt + generated) of one request: a KV row."""
+        return self.pool.row_len
+
     def stats(self) -> dict[str, int | float]:
-        used = self.slots.tokens_in_use()
+        used = self.rows.tokens_in_use()
         total = self.pool.rows * self.pool.row_len
         return {
             **self._counters,
-            "running": len(self.slots.reqs),
-            "decoding": self.slots.n_decode,
+            "running": len(self.rows.reqs),
+            "decoding": self.rows.n_decode,
             "waiting": len(self._waiting),
             "kv_rows_in_use": self.pool.rows_in_use,
             "kv_rows_total": self.pool.rows,
@@ -198,7 +217,7 @@ class Scheduler:
             self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
-        if not cur.pure_decode or self.slots.prefilling() or self._admissible():
+        if not cur.pure_decode or self.rows.prefilling() or self._admissible():
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
         return not any(r.finished or r.kv_len - r.prompt_len + 1 >= r.max_new for r in cur.decode)
@@ -207,7 +226,7 @@ class Scheduler:
         return any(r.finished for r in nxt.decode) or self._admissible()
 
     def _admissible(self) -> bool:
-        return bool(self._waiting) and self.slots.free_rows > 0
+        return bool(self._waiting) and self.rows.free_rows > 0
 
     # -- launches ----------------------------------------------------------------------------
     def prepare_launch(self, batch: Batch) -> None:
@@ -228,10 +247,12 @@ class Scheduler:
         self.runner.launch(batch, inputs)
 
     def _launch_chained(self, prev: Batch) -> Batch:
-        batch = Batch(decode=prev.decode, sampler=advance(prev.sampler, prev.decode_out.tokens))
+        out, sampler = prev.decode_out, prev.sampler
+        assert out is not None and sampler is not None, "only a launched decode step chains"
+        batch = Batch(decode=prev.decode, sampler=advance(sampler, out.tokens))
         batch.chained = True
         self.prepare_launch(batch)
-        self.runner.launch(batch, prev.decode_out.tokens)
+        self.runner.launch(batch, out.tokens)
         return batch
 
     def _schedule(self) -> Batch | None:
@@ -241,8 +262,8 @@ class Scheduler:
         whenever there is a row to decode.
         """
         self._admit()
-        rows = self.slots.decoding()
-        joined = [r for r in self.slots.prefilling() if _due(r)]
+        rows = self.rows.decoding()
+        joined = [r for r in self.rows.prefilling() if _due(r)]
         if not (self._prefill_last and (rows or joined)):
             chunks = self._plan_chunks()
             if chunks:
@@ -259,23 +280,23 @@ class Scheduler:
         try:
             while self._admissible():
                 req = self._waiting.popleft()
-                if self.prefix.should_wait(req, self.slots.prefilling()):
+                if self.prefix.should_wait(req, self.rows.prefilling()):
                     deferred.append(req)
                     continue
                 req.state = State.PREFILLING
-                self.slots.add(req)
+                self.rows.add(req)
                 self.prefix.admit(req)
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
             self._waiting.extendleft(reversed(deferred))
 
-    def _plan_chunks(self) -> list[Chunk]:
+    def _plan_chunks(self) -> list[PromptSlice]:
         """Prompt chunks for one padded prefill forward: the width that runs the most tokens.
 
         NOTE: every row of the forward is padded to one width, so a long prompt next to short
         ones gets a chunk of the width that suits them all, and rows x width stays within
         --max-prefill-tokens.
         """
-        todo = [r for r in self.slots.prefilling() if _body_left(r) > 0]
+        todo = [r for r in self.rows.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
 
@@ -289,7 +310,7 @@ class Scheduler:
         chunks = []
         for req in rows(width):
             n = min(_body_left(req), width)
-            chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
+            chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
             if _due(req):
@@ -311,6 +332,7 @@ class Scheduler:
         for req in batch.joined:
             self._start_decoding(req)
         for req in batch.rows:
+            assert req.row is not None, "a launched request holds a KV row"
             self._accept(req, tokens[req.row], logprobs[req.row])
 
     def _start_decoding(self, req: Req) -> None:
@@ -323,7 +345,7 @@ class Scheduler:
         if req.finished:
             return
         n = req.params.logprobs
-        req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n else None)
+        req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n and logprob else None)
         self._counters["generated_tokens"] += 1
         self._touched[req.rid] = req
         if req.finished:
@@ -338,16 +360,16 @@ class Scheduler:
         self._to_publish.clear()
         for req in self._to_promote:
             if not req.finished:
-                self.slots.promote(req)
+                self.rows.promote(req)
         self._to_promote.clear()
         for req in self._to_free.values():
             if req.row is not None:
                 self.prefix.retire(req)
-                self.slots.release(req)
+                self.rows.release(req)
             req.state = State.FINISHED
         self._to_free.clear()
 
-    def _emit(self) -> list[StepOutput]:
+    def _emit(self) -> list[Chunk]:
         outs = [req.take_output() for req in self._touched.values()]
         for req in self._touched.values():
             if req.reported_finish:
@@ -367,7 +389,7 @@ class Scheduler:
                 self._end(req, "error", f"{type(exc).__name__}: {exc}")
         self._settle()
 
-    def _end(self, req: Req, reason: str, error: str | None = None) -> None:
+    def _end(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request outside a step's tokens: report it; its row goes at the next settle."""
         req.finish(reason, error)
         self._touched[req.rid] = req
@@ -375,18 +397,6 @@ class Scheduler:
             self._waiting.remove(req)
         else:
             self._to_free[req.rid] = req
-
-    def _check_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        params.validate(self.vocab)
-        if rid in self._reqs:
-            raise InvalidRequest("rid", f"request id {rid!r} is already in use")
-        if not input_ids:
-            raise InvalidRequest("input_ids", "the prompt is empty")
-        if len(input_ids) >= self.pool.row_len:
-            limit = self.pool.row_len - 1
-            raise InvalidRequest("input_ids", f"{len(input_ids)} tokens exceed the limit {limit}")
-        if min(input_ids) < 0 or max(input_ids) >= self.vocab:
-            raise InvalidRequest("input_ids", f"token ids must be in [0, {self.vocab})")
 
 
 def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:
@@ -420,11 +430,16 @@ def _due(req: Req) -> bool:
 
 def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:
     """Block on a step's tokens (and logprobs) and bring them to the host."""
-    tokens = out.tokens.tolist()
-    if out.logprob is None:
+    tokens: list[int] = _listed(out.tokens)
+    if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return tokens, [None] * len(tokens)
-    chosen, ids, lps = out.logprob.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+    chosen, ids, lps = _listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs)
     return tokens, [
         TokenLogprob(c, list(zip(i, v, strict=True)))
         for c, i, v in zip(chosen, ids, lps, strict=True)
     ]
+
+
+def _listed(a: mx.array) -> list[Any]:
+    """`a.tolist()` for an array of rank >= 1 (MLX types it for any rank)."""
+    return a.tolist()  # type: ignore[return-value]

@@ -33,8 +33,8 @@ def parse_args() -> argparse.Namespace:
 
 def load(args: argparse.Namespace):
     from engine.config import EngineConfig
-    from engine.offline import load_for_scheduler
     from engine.random_model import random_model_dir
+    from scheduler_proc.model_loader import load_for_scheduler
 
     path = str(random_model_dir(args.random)) if args.random else args.model
     return load_for_scheduler(path, EngineConfig())

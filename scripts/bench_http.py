@@ -1,5 +1,5 @@
 """What the HTTP API costs against the ZMQ SDK: one launched engine, the same workload through
-both, measured in the same run (DESIGN.md §7).
+both, measured in the same run (ratios, never absolute times across runs).
 
 Each round streams `--requests` greedy requests (random token-id prompts, fixed output length,
 EOS ignored) with `--concurrency` in flight (closed loop):
@@ -14,7 +14,7 @@ first token's text back until the next one). Reported: output throughput (best r
 HTTP/SDK ratio, TTFT p50 over every request, the mixed rounds' TTFT and end-to-end p50, and
 the front door's (tokenizer process's) CPU time per output token on each side, which a busy
 machine's noise barely touches.
-Targets (issue 10): >= 0.95x throughput, TTFT p50 within +2 ms.
+Targets: >= 0.95x throughput, TTFT p50 within +2 ms.
 
   .venv/bin/python scripts/bench_http.py                     # default model, launch defaults
   .venv/bin/python scripts/bench_http.py --model DIR --engine-args "--max-total-tokens 8192"

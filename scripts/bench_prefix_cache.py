@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prefix cache benchmark (issue 6): multi-turn chat sharing one long system prompt.
+"""Prefix cache benchmark: multi-turn chat sharing one long system prompt.
 
 Each of `--users` users holds a `--turns`-turn conversation: the shared system prompt, then per turn
 a user message and the model's own greedy reply, every turn's prompt extending the previous one.

@@ -1,10 +1,10 @@
 """What the process boundary costs: the SDK to a launched engine vs the scheduler in-process.
 
-Same model, same workload, same run (DESIGN.md §7: compare ratios measured together):
+Same model, same workload, same run (compare ratios measured together):
   - throughput at concurrency 16 (closed loop: a new request starts when one finishes),
   - time to first token at concurrency 1 (sequential requests).
 The two engines are measured alternately, `--rounds` times each; the best round of each counts.
-Targets (issue 5): the SDK keeps >= 95 % of the throughput and adds <= 2 ms to TTFT.
+Targets: the SDK keeps >= 95 % of the throughput and adds <= 2 ms to TTFT.
 
   .venv/bin/python scripts/bench_process.py                        # default model (SmolLM2-135M)
   .venv/bin/python scripts/bench_process.py --model DIR --requests 32 --max-tokens 32
@@ -59,9 +59,7 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--launch-log", default=None, help="write the launched engine's log to this file"
     )
-    p.add_argument(
-        "--inprocess-sdk", action="store_true", help="also the SDK over InProcessTransport"
-    )
+    p.add_argument("--inprocess-sdk", action="store_true", help="also the SDK over InProcessEngine")
     return p.parse_args()
 
 
@@ -83,7 +81,7 @@ def greedy(job: Job) -> dict:
 
 class InProcess:
     def __init__(self, model: str | None) -> None:
-        from engine.offline import load_for_scheduler
+        from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
 
         net, eos = load_for_scheduler(model)
@@ -137,9 +135,9 @@ class Sdk:
         self.address = address
         self._transport = None
         if address is None:
-            from engine.inprocess import InProcessTransport
+            from engine.inprocess import InProcessEngine
 
-            self._transport = InProcessTransport(model)
+            self._transport = InProcessEngine(model)
         self.client = EngineClient(address or "", transport=self._shared())
 
     def _shared(self):  # noqa: ANN202 - a transport that outlives each client

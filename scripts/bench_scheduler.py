@@ -9,7 +9,7 @@ One run, one model, one workload for every engine, so the printed ratios compare
   - what a short prompt costs with the launch-default KV pool and with a small one.
 The engine runs the launch defaults (its KV pool sized by EngineConfig, as `mlx-engine launch`
 does), with --max-running-requests set to the concurrency, as BatchGenerator's batch size is.
-Workload (DESIGN.md §7 / issue 4): prompt lengths uniform in [32, 1024], max_tokens uniform in
+Workload: prompt lengths uniform in [32, 1024], max_tokens uniform in
 [32, 256], ignore_eos, fixed seed. `--max-prompt` / `--max-tokens` / `--num-requests` shrink it.
 
   .venv/bin/python scripts/bench_scheduler.py                       # default model, full workload
@@ -263,9 +263,9 @@ def main() -> None:
 
     config = EngineConfig(cpu_blas=args.blas, cpu_dequantize=args.dequantize)
     info = setup_cpu_backend(config, log_line=False)
-    from engine.offline import load_for_scheduler
     from engine.random_model import random_model_dir
     from scheduler_proc.kv_cache import probe_model
+    from scheduler_proc.model_loader import load_for_scheduler
 
     path = str(random_model_dir(args.random)) if args.random else args.model
     model, eos = load_for_scheduler(path, config)

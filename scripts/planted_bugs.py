@@ -82,8 +82,8 @@ BUGS = (
     Bug(
         "prefill chunk starts at 0 instead of the cached length",
         "scheduler_proc/scheduler.py",
-        "chunks.append(Chunk(req, req.prefilled, req.prefilled + n))",
-        "chunks.append(Chunk(req, 0, n))",
+        "chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))",
+        "chunks.append(PromptSlice(req, 0, n))",
     ),
 )
 

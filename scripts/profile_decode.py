@@ -44,10 +44,10 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.config import EngineConfig
-    from engine.offline import load_for_scheduler
     from engine.random_model import random_model_dir
     from engine.sampling_params import SamplingParams
     from scheduler_proc.kv_cache import KVPool, StepRows, probe_model
+    from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.sampling import RowParams, build_state, sample
     from scheduler_proc.shapes import Ladders
 

@@ -55,3 +55,21 @@ def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_
     from tool_model import make_tool_model
 
     return make_tool_model(tmp_path_factory.mktemp("tiny-tools"), default_model_dir)
+
+
+@pytest.fixture
+def client(engine):
+    """An SDK client of the module's `engine` fixture (a LaunchedEngine)."""
+    from engine.client import EngineClient
+
+    with EngineClient(engine.address, timeout=30.0) as c:
+        yield c
+
+
+@pytest.fixture
+def raw(engine):
+    """A bare DEALER socket to the module's `engine`: `ask(frame)` returns the decoded reply."""
+    from engine_harness import raw_dealer
+
+    with raw_dealer(engine.address) as ask:
+        yield ask

@@ -11,8 +11,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from engine.config import EngineConfig
+from engine.messages.to_client import Chunk
 from engine.sampling_params import SamplingParams
-from scheduler_proc.output import StepOutput
 from scheduler_proc.scheduler import Scheduler
 
 VOCAB = 49152  # the tiny random models' vocabulary
@@ -76,9 +76,9 @@ def drive(
     sched: Scheduler,
     arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
     max_steps: int = 100_000,
-) -> dict[str, list[StepOutput]]:
+) -> dict[str, list[Chunk]]:
     """Submit requests at the given step numbers and step until all work is done."""
-    outs: dict[str, list[StepOutput]] = {}
+    outs: dict[str, list[Chunk]] = {}
     step = 0
     while step <= max(arrivals, default=0) or sched.has_work():
         for rid, ids, params in arrivals.get(step, []):
@@ -90,7 +90,7 @@ def drive(
     return outs
 
 
-def tokens(outs: list[StepOutput]) -> list[int]:
+def tokens(outs: list[Chunk]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 

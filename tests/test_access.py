@@ -151,10 +151,10 @@ class _Kept:
 
 
 def test_the_in_process_engine_applies_the_same_key_rule(tiny_model_dir, monkeypatch):
-    from engine.inprocess import InProcessTransport
+    from engine.inprocess import InProcessEngine
 
     monkeypatch.delenv("MLX_ENGINE_API_KEY", raising=False)
-    transport = InProcessTransport(str(tiny_model_dir), api_key=KEY, max_total_tokens=4096)
+    transport = InProcessEngine(str(tiny_model_dir), api_key=KEY, max_total_tokens=4096)
     try:
         with pytest.raises(Unauthorized):
             EngineClient(transport=_Kept(transport), timeout=10.0)

@@ -1,6 +1,6 @@
 """One client contract, two engines: the in-process transport and a launched multi-process engine.
 
-Every test here runs against both (DESIGN.md §3: same methods, same typed errors).
+Every test here runs against both (same methods, same typed errors).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine_harness import LaunchedEngine, bounded, reference_greedy  # noqa: F4
 import engine.client as client_module
 from engine.client import AsyncEngineClient, EngineClient
 from engine.errors import EngineError, InvalidRequest, ProtocolMismatch
-from engine.inprocess import InProcessTransport
+from engine.inprocess import InProcessEngine
 
 TIMEOUT = 60.0
 pytestmark = pytest.mark.usefixtures("bounded")
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("bounded")
 def engine(request, tiny_model_dir: Path, tmp_path_factory):
     """(kind, address or transport factory) of a running engine on the tiny model."""
     if request.param == "inprocess":
-        transport = InProcessTransport(str(tiny_model_dir))
+        transport = InProcessEngine(str(tiny_model_dir))
         yield "inprocess", transport
         transport.close()
         return
@@ -53,7 +53,7 @@ def _async_client(engine) -> AsyncEngineClient:
 class _Borrowed:
     """A module-scoped in-process transport shared by clients: closing a client keeps it."""
 
-    def __init__(self, transport: InProcessTransport) -> None:
+    def __init__(self, transport: InProcessEngine) -> None:
         self._t = transport
 
     def __getattr__(self, name: str):

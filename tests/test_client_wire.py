@@ -13,12 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from engine_harness import LaunchedEngine, bounded, raw_dealer  # noqa: F401
+from engine_harness import LaunchedEngine, bounded  # noqa: F401
 
 import engine.client as client_module
 from engine.client import EngineClient
 from engine.errors import EngineDead, Overloaded, ProtocolMismatch, ShuttingDown
 from engine.messages import to_client as tc
+from engine.messages.to_launcher import SchedulerFacts
 from engine.protocol import Codec
 
 pytestmark = pytest.mark.usefixtures("bounded")
@@ -33,18 +34,6 @@ def engine(tiny_model_dir: Path, tmp_path_factory):
     launched = LaunchedEngine(tiny_model_dir, log, *extra).wait_ready()
     yield launched
     launched.stop()
-
-
-@pytest.fixture
-def client(engine):
-    with EngineClient(engine.address, timeout=30.0) as c:
-        yield c
-
-
-@pytest.fixture
-def raw(engine):
-    with raw_dealer(engine.address) as ask:
-        yield ask
 
 
 BAD_FRAMES = [
@@ -194,7 +183,7 @@ def test_a_tokenizer_crash_fails_the_request_and_frees_its_slot(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
-    facts = {"vocab_size": 100, "max_context": 64}
+    facts = SchedulerFacts("", "", vocab_size=100, max_context=64)
     replies = []
 
     async def scenario():

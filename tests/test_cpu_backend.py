@@ -181,8 +181,9 @@ def test_resolve_dequantize() -> None:
     assert not resolve_dequantize("auto", slow)
     assert not resolve_dequantize("auto", None)
     assert resolve_dequantize("on", slow) and not resolve_dequantize("off", fast)
-    with pytest.raises(ValueError):
-        resolve_dequantize("sometimes", fast)
+    for refused in ("sometimes", "yes", "1", "ON"):  # NOTE: what EngineConfig.validate() refuses
+        with pytest.raises(ValueError):
+            resolve_dequantize(refused, fast)
 
 
 def test_config_validates_cpu_dequantize() -> None:
@@ -247,7 +248,7 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
     ignored and weights were dequantized whenever 'auto' said so."""
     import shutil
 
-    from engine.inprocess import InProcessTransport
+    from engine.inprocess import InProcessEngine
     from engine.random_model import TOKENIZER_FILES
 
     model_dir = tmp_path / "q4"
@@ -255,7 +256,7 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
     for name in TOKENIZER_FILES:
         shutil.copy(default_model_dir / name, model_dir / name)
     caplog.set_level(logging.INFO, logger="engine.cpu_dequantize")
-    transport = InProcessTransport(str(model_dir), cpu_dequantize=deq, max_total_tokens=4096)
+    transport = InProcessEngine(str(model_dir), cpu_dequantize=deq, max_total_tokens=4096)
     transport.close()
     dequantized = any("dequantized to float32" in r.getMessage() for r in caplog.records)
     assert dequantized == (deq == "on")
@@ -268,7 +269,7 @@ from engine.cpu_backend import backend_info
 from engine.cpu_dequantize import is_quantized
 eng = OfflineEngine(sys.argv[1], max_total_tokens=4096, context_length=256)
 r = eng.generate([[1, 2, 3]], dict(max_tokens=2, temperature=0.0))[0]
-print(json.dumps(dict(optimized=backend_info().optimized, completion=r.completion_tokens,
+print(json.dumps(dict(optimized=backend_info().optimized, completion=r.usage.completion_tokens,
                       quantized=is_quantized(eng.scheduler.runner.model))))
 eng.close()
 """

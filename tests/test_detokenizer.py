@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from detokenizer_proc.detokenizer import Detokenizer
-from scheduler_proc.output import StepOutput
+from engine.messages.to_client import Chunk
 
 TEXT = "Hello wörld! 🙂 Ünïcödé ✓ end"
 
@@ -25,7 +25,8 @@ def _run(detok: Detokenizer, ids: list[int], rid: str = "r", per_step: int = 1) 
     chunks = []
     for i in range(0, len(ids), per_step):
         last = i + per_step >= len(ids)
-        out = StepOutput(rid, ids[i : i + per_step], "length" if last else None, 1, i + per_step)
+        finish = "length" if last else None
+        out = Chunk(rid, "", ids[i : i + per_step], finish, 1, i + per_step)
         got, _ = detok.process([out])
         chunks += got
         if got and got[-1].finish_reason is not None:
@@ -58,16 +59,16 @@ def test_stop_hit_asks_the_scheduler_to_abort_and_drops_late_outputs(tokenizer):
     detok = Detokenizer(tokenizer)
     detok.register("r", ["lo"])
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
-    chunks, stopped = detok.process([StepOutput("r", ids)])
+    chunks, stopped = detok.process([Chunk("r", "", ids)])
     assert stopped == ["r"] and chunks[0].text == "Hel"
-    assert detok.process([StepOutput("r", [5], "length")]) == ([], [])
+    assert detok.process([Chunk("r", "", [5], "length")]) == ([], [])
 
 
 def test_special_tokens_are_not_text(tokenizer):
     detok = Detokenizer(tokenizer)
     detok.register("r", [])
     ids = tokenizer.encode("Hi", add_special_tokens=False) + [tokenizer.eos_token_id]
-    chunks, _ = detok.process([StepOutput("r", ids, "stop")])
+    chunks, _ = detok.process([Chunk("r", "", ids, "stop")])
     assert chunks[0].text == "Hi" and chunks[0].token_ids == ids
 
 
@@ -116,11 +117,9 @@ def test_a_failing_request_ends_alone_and_the_batch_still_streams():
     detok = Detokenizer(_FakeTokenizer(bad=666))
     detok.register("bad", [])
     detok.register("good", [])
-    chunks, to_abort = detok.process(
-        [StepOutput("bad", [1, 666]), StepOutput("good", [1], "length")]
-    )
+    chunks, to_abort = detok.process([Chunk("bad", "", [1, 666]), Chunk("good", "", [1], "length")])
     by_rid = {c.rid: c for c in chunks}
     assert by_rid["good"].finish_reason == "length" and by_rid["good"].text == "x"
     assert by_rid["bad"].finish_reason == "error" and "cannot decode 666" in by_rid["bad"].error
     assert to_abort == ["bad"] and len(detok) == 0
-    assert detok.process([StepOutput("bad", [2], "length")]) == ([], [])
+    assert detok.process([Chunk("bad", "", [2], "length")]) == ([], [])

@@ -1,4 +1,4 @@
-"""Nothing slow holds the front door (issue 11): while the pool tokenizes one client's huge input,
+"""Nothing slow holds the front door: while the pool tokenizes one client's huge input,
 other clients' calls are read and answered."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Corrupt GGUF files give a ModelError, never a signal (issue 11): MLX's reader trusts the
+"""Corrupt GGUF files give a ModelError, never a signal: MLX's reader trusts the
 header, and a flipped byte in the tensor table once crashed the converter with SIGSEGV."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.ipc import Endpoints
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
+from engine.messages.to_launcher import SchedulerFacts
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import HttpApi
 
@@ -22,7 +23,7 @@ def front_door(tmp_path: Path) -> Frontend:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
-    facts = {"vocab_size": 100, "max_context": 64, "model": "m"}
+    facts = SchedulerFacts("", "m", vocab_size=100, max_context=64)
     # NOTE: token-id prompts never reach the tokenizer; none is needed
     return Frontend(config, Endpoints.create(config, tmp_path), None, facts, print)
 
@@ -45,7 +46,7 @@ def test_a_refusal_before_the_first_token_gets_its_status_not_a_200(tmp_path):
             body = {"prompt": [1, 2], "stream": True, "max_tokens": 4}
             reply = asyncio.create_task(client.post("/v1/completions", json=body))
             rid = await _admitted(frontend)
-            failed = tt.RequestFailed(rid, "overloaded", "4 requests already waiting")
+            failed = tt.RequestFailed(tc.Failure(rid, "overloaded", "4 requests already waiting"))
             await frontend._on_engine(failed)
             resp = await asyncio.wait_for(reply, 10)
             return resp.status, await resp.json()

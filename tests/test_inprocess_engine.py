@@ -6,11 +6,11 @@ import pytest
 
 from engine.client import EngineClient
 from engine.errors import EngineDead
-from engine.inprocess import InProcessTransport
+from engine.inprocess import InProcessEngine
 
 
 def test_a_crashed_loop_fails_waiting_calls_and_spares_the_mlx_thread(tiny_model_dir):
-    transport = InProcessTransport(str(tiny_model_dir), max_total_tokens=8192)
+    transport = InProcessEngine(str(tiny_model_dir), max_total_tokens=8192)
     client = EngineClient(transport=transport, timeout=30.0)
 
     def crash():
@@ -24,7 +24,7 @@ def test_a_crashed_loop_fails_waiting_calls_and_spares_the_mlx_thread(tiny_model
     client.close()
 
     # The one long-lived MLX thread survived: a new in-process engine serves.
-    again = EngineClient(transport=InProcessTransport(str(tiny_model_dir)), timeout=30.0)
+    again = EngineClient(transport=InProcessEngine(str(tiny_model_dir)), timeout=30.0)
     try:
         result = again.generate(input_ids=[1, 2, 3], max_tokens=4, temperature=0.0)
         assert len(result.token_ids) == 4

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from engine_harness import LaunchedEngine, bounded, raw_dealer  # noqa: F401
+from engine_harness import LaunchedEngine, bounded  # noqa: F401
 
 from engine.client import EngineClient
 from engine.config import EngineConfig
@@ -119,18 +119,6 @@ def engine(tiny_model_dir: Path, tmp_path_factory):
     launched = LaunchedEngine(tiny_model_dir, log, *extra).wait_ready()
     yield launched
     launched.stop()
-
-
-@pytest.fixture
-def client(engine):
-    with EngineClient(engine.address, timeout=30.0) as c:
-        yield c
-
-
-@pytest.fixture
-def raw(engine):
-    with raw_dealer(engine.address) as ask:
-        yield ask
 
 
 def _works(client: EngineClient) -> bool:

@@ -22,7 +22,7 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
         same = eng.generate(prompts, dict(max_tokens=6, temperature=0.0, ignore_eos=True))
         model = tiny_model(tiny_weights_dir)
         assert [r.token_ids for r in same] == [reference_greedy(model, p, 6) for p in prompts]
-        assert all(r.finish_reason == "length" and r.completion_tokens == 6 for r in same)
+        assert all(r.finish_reason == "length" and r.usage.completion_tokens == 6 for r in same)
         per = eng.generate(prompts[:2], [dict(max_tokens=2), dict(max_tokens=3, seed=1)])
         assert [len(r.token_ids) for r in per] == [2, 3]
         stats = eng.stats()
@@ -33,16 +33,24 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
             eng.generate([[1, 2], [3]], [dict(max_tokens=4), dict(top_p=0.0)])
         assert err.value.field == "top_p"
         assert not eng.scheduler.has_work() and eng.stats()["requests_aborted"] == 1
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(InvalidRequest) as err:  # NOTE: named as the SDK names it
             eng.generate([[1]], dict(max_tokenz=3))
+        assert err.value.field == "max_tokenz"
 
 
 @pytest.mark.slow
 def test_default_model_greedy_parity():
-    from engine.offline import load_for_scheduler
+    from scheduler_proc.model_loader import load_for_scheduler
 
     prompts = [list(range(100, 100 + n)) for n in (1, 7, 130)]
     with OfflineEngine(chunked_prefill_size=32, context_length=512) as eng:
         results = eng.generate(prompts, dict(max_tokens=8, temperature=0.0, ignore_eos=True))
     model, _ = load_for_scheduler(None, eng.config)
     assert [r.token_ids for r in results] == [reference_greedy(model, p, 8) for p in prompts]
+
+
+def test_eos_ids_from_config_one_parser():
+    """config.json's eos_token_id, read the same way for the scheduler and the tokenizer."""
+    from engine.tokenizer_loader import eos_ids
+
+    assert eos_ids(None) is None and eos_ids(2) == [2] and eos_ids([0, 2]) == [0, 2]

@@ -223,7 +223,7 @@ def test_offline_results_report_cached_tokens(tiny_weights_dir):
         first = eng.generate([prompt], dict(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
         again = eng.generate([prompt], dict(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
         stats = eng.stats()
-    assert first.cached_tokens == 0 and again.cached_tokens == len(prompt) - 1
+    assert first.usage.cached_tokens == 0 and again.usage.cached_tokens == len(prompt) - 1
     assert again.token_ids == first.token_ids
     assert stats["prefix_cache_hit_tokens"] == len(prompt) - 1
     assert stats["prefix_cache_tokens"] >= len(prompt)

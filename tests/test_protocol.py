@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
@@ -11,11 +14,10 @@ from engine.messages import to_detokenizer as td
 from engine.messages import to_launcher as tl
 from engine.messages import to_scheduler as ts
 from engine.messages import to_tokenizer as tt
-from engine.protocol import Codec
+from engine.messages.to_client import TokenLogprob
+from engine.protocol import Codec, error_field
 from engine.sampling_params import SamplingParams
 from engine.wire_errors import to_exception, to_failure
-from scheduler_proc.output import StepOutput, TokenLogprob
-from tokenizer_proc.prepare import error_field, sampling_params
 
 SAMPLES = [
     (tt.FromClient, tt.Generate("r1", prompt="hi", params={"max_tokens": 3})),
@@ -26,10 +28,14 @@ SAMPLES = [
     (tt.FromEngine, tt.Control("drain")),
     (ts.ToScheduler, ts.TokenizedRequest("r1", [1, 2], SamplingParams(stop=["x"]))),
     (ts.ToScheduler, ts.Drain(2.5)),
-    (td.ToDetokenizer, td.StepOutputs([StepOutput("r", [1], logprobs=[TokenLogprob(-0.5)])])),
+    (
+        td.ToDetokenizer,
+        td.StepOutputs([tc.Chunk("r", token_ids=[1], logprobs=[TokenLogprob(-0.5)])]),
+    ),
     (td.ToDetokenizer, td.Register("r", ["\n\n"])),
+    (td.ToDetokenizer, tt.RequestFailed(tc.Failure("r", "overloaded", "4 waiting"))),
     (tc.ToClient, tc.Failure("r", "invalid_request", "bad", "top_p")),
-    (tl.ToLauncher, tl.Ready("scheduler", 12, {"model_dir": "/x", "vocab_size": 5})),
+    (tl.ToLauncher, tl.Ready("scheduler", 12, tl.SchedulerFacts("/x", "x", 5, 64))),
 ]
 
 
@@ -37,6 +43,25 @@ SAMPLES = [
 def test_round_trip(union, msg):
     codec = Codec(union)
     assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_finish_reasons_and_control_actions_are_closed_sets():
+    for union, frame in [
+        (tt.FromEngine, tt.Chunks([tc.Chunk("r", finish_reason="done")])),  # type: ignore[arg-type]
+        (tt.FromEngine, tt.Control("reboot")),  # type: ignore[arg-type]
+    ]:
+        with pytest.raises(msgspec.ValidationError):
+            Codec(union).decode(msgspec.msgpack.encode(frame))
+
+
+def test_the_sdk_wire_modules_need_no_engine_process_package():
+    """A client installs the SDK: its messages must not import the scheduler (or MLX)."""
+    code = (
+        "import sys, engine.client, engine.messages.to_detokenizer;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('scheduler_proc', 'mlx')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_frames_are_compact_arrays_with_the_tag_first():
@@ -82,7 +107,7 @@ def test_no_pickle_anywhere():
 )
 def test_sampling_params_errors_name_the_field(raw, field):
     with pytest.raises(InvalidRequest) as e:
-        sampling_params(raw, vocab_size=100)
+        SamplingParams.parse(raw, vocab_size=100)
     assert e.value.field == field
 
 
@@ -103,3 +128,20 @@ def test_typed_errors_survive_the_wire(exc):
     assert type(back) is type(exc) and str(back) == str(exc)
     if isinstance(exc, InvalidRequest):
         assert back.field == "top_p"
+
+
+def test_the_front_door_checks_tokenized_prompts_against_the_model_too():
+    """The scheduler process takes the front door's word (one check per request), so ids a
+    tokenizer makes beyond the model's vocabulary are refused there, naming the client's field."""
+    from tokenizer_proc import prepare
+
+    class WideTokenizer:  # NOTE: a tokenizer vocabulary larger than the model's embedding
+        bos_token = None
+
+        def encode(self, text, add_special_tokens=True):
+            return [1, 99]
+
+    with pytest.raises(InvalidRequest) as e:
+        prepare.token_ids(tt.Generate("r", prompt="hi"), WideTokenizer(), 50, 64)
+    assert e.value.field == "prompt" and "out of range" in e.value.message
+    assert prepare.token_ids(tt.Generate("r", input_ids=[1, 49]), None, 50, 64) == [1, 49]

@@ -165,6 +165,23 @@ def test_request_capped_by_row_length(llama):
         sched.submit("bad-id", [VOCAB], greedy(1))
 
 
+def test_in_flight_lasts_until_the_terminal_output_is_reported(llama):
+    """The scheduler process drains and exits by `in_flight()`: it must hold every request, in
+    any state, until the step that reports its end, and nothing after."""
+    sched = make_scheduler(llama, max_running_requests=1, context_length=64)
+    sched.submit("a", [1, 2, 3], greedy(2))
+    sched.submit("b", [4, 5], greedy(50))  # waits for a's row
+    assert sched.in_flight() == {"a": 3, "b": 2}
+    sched.abort("b")
+    assert "b" in sched.in_flight()  # its abort is not reported yet
+    reported: set[str] = set()
+    while sched.has_work():
+        outs = sched.step()
+        reported |= {o.rid for o in outs if o.finish_reason is not None}
+        assert set(sched.in_flight()) == {"a", "b"} - reported
+    assert reported == {"a", "b"} and sched.in_flight() == {}
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_shutdown_aborts_everything_and_refuses_new_work(llama, overlap):
     sched = make_scheduler(llama, disable_overlap=not overlap, max_running_requests=2)

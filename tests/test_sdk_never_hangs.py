@@ -1,4 +1,4 @@
-"""The SDK never leaves a caller waiting (issue 11): arguments the wire cannot carry, a failed
+"""The SDK never leaves a caller waiting: arguments the wire cannot carry, a failed
 I/O thread, close() from another thread, a reused rid, a reset connection, a paused engine."""
 
 from __future__ import annotations

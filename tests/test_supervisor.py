@@ -1,4 +1,4 @@
-"""The engine under a real supervisord (issue 11), configured by `mlx-engine supervisor-conf`:
+"""The engine under a real supervisord, configured by `mlx-engine supervisor-conf`:
 start -> healthy; kill -9 of the scheduler -> non-zero exit -> restarted -> healthy again, old
 clients got EngineDead; `supervisorctl stop` with streams in flight -> every stream gets its last
 chunk, stopped within stopwaitsecs, no process left."""

@@ -28,14 +28,12 @@ from engine.messages import to_tokenizer as tt
 from engine.protocol import PROTOCOL_VERSION
 from engine.sampling_params import SamplingParams
 from engine.wire_errors import to_failure
-from tokenizer_proc import prepare
 from tokenizer_proc.metrics import Metrics
 from tokenizer_proc.requests import Entry, RequestTable
 
 log = logging.getLogger("tokenizer")
 
 HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
-HEALTH_GENERATE_TIMEOUT_S = 30.0
 NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
 
 
@@ -118,7 +116,7 @@ class FrontDoor:
             self._check_admission(msg.rid)
             if screen is not None:
                 screen()
-            params = prepare.sampling_params(msg.params, self.limits.vocab_size)
+            params = SamplingParams.parse(msg.params, self.limits.vocab_size)
         except EngineError:
             self.counters["requests_rejected"] += 1
             raise
@@ -208,7 +206,9 @@ class FrontDoor:
             log.info("client gone; aborting %d request(s): %s", len(rids), rids[:4])
         to_scheduler = []
         for rid in rids:
-            self.table.get(rid).gone = True  # type: ignore[union-attr]
+            entry = self.table.get(rid)
+            if entry is not None:  # NOTE: always, rids come from the table
+                entry.gone = True
             if self.abort(rid, owner):
                 to_scheduler.append(rid)
         return to_scheduler
@@ -218,11 +218,13 @@ class FrontDoor:
         out: list[tuple[Entry, tc.Chunk | tc.Failure]] = []
         for rid in self.table.rids():
             entry = self.table.pop(rid)
+            if entry is None:  # NOTE: never, rids come from the table
+                continue
             if kind == "abort":
                 final: tc.Chunk | tc.Failure = tc.Chunk(rid, finish_reason="abort")
             else:
                 final = tc.Failure(rid, kind, f"an engine process died: {reason}")
-            out.append((entry, final))  # type: ignore[arg-type]
+            out.append((entry, final))
         return out
 
     # --- stats ----------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ class HealthProbe:
 
     def __init__(self) -> None:
         self.rid = f"health-{uuid.uuid4().hex}"
-        self.deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
+        self.deadline = time.monotonic() + tt.HEALTH_GENERATE_TIMEOUT_S
         self.tokens = 0
 
     def request(self) -> tt.Generate:
@@ -271,7 +273,7 @@ class HealthProbe:
     def expired(self) -> tuple[bool, str] | None:
         if time.monotonic() < self.deadline:
             return None
-        return False, f"no token within {HEALTH_GENERATE_TIMEOUT_S}s"
+        return False, f"no token within {tt.HEALTH_GENERATE_TIMEOUT_S}s"
 
 
 def _log_finished(chunk: tc.Chunk, entry: Entry, now: float) -> None:

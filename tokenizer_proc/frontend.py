@@ -25,8 +25,9 @@ from engine.errors import EngineError, InvalidRequest
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
+from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
-from engine.protocol import Codec
+from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
@@ -49,16 +50,16 @@ class Frontend:
         config: EngineConfig,
         endpoints: Endpoints,
         tokenizer: Any,
-        facts: dict[str, Any],
+        facts: SchedulerFacts,
         request_shutdown: Callable[[str], None],
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.core = FrontDoor(
             Limits(
-                model=str(facts.get("model", "")),
-                vocab_size=int(facts["vocab_size"]),
-                max_context=int(facts["max_context"]),
+                model=facts.model,
+                vocab_size=facts.vocab_size,
+                max_context=facts.max_context,
                 max_in_flight=config.max_running_requests + config.max_queued_requests,
                 api_key=config.api_key,
             )
@@ -154,7 +155,7 @@ class Frontend:
         while True:
             remaining = probe.deadline - time.monotonic()
             try:
-                msg = await asyncio.wait_for(entry.chunks.get(), max(remaining, 0.0))  # type: ignore[union-attr]
+                msg = await asyncio.wait_for(entry.replies().get(), max(remaining, 0.0))
             except asyncio.TimeoutError:
                 self.abort(probe.rid, None)
                 return probe.expired() or (False, "health generation timed out")
@@ -353,9 +354,9 @@ class Frontend:
         elif isinstance(msg, tt.Heartbeat):
             self.core.tick()
         elif isinstance(msg, tt.RequestFailed):
-            entry = self.core.on_failed(msg.rid)
+            entry = self.core.on_failed(msg.failure.rid)
             if entry is not None:
-                await self._deliver(tc.Failure(msg.rid, msg.kind, msg.message, msg.field), entry)
+                await self._deliver(msg.failure, entry)
         elif isinstance(msg, tt.SchedulerStats):
             future = self._stats_calls.get(msg.rid)
             if future is not None and not future.done():
@@ -370,7 +371,7 @@ class Frontend:
         if entry.chunks is not None:
             entry.chunks.put_nowait(msg)
         elif not entry.gone and not await self._send(entry.owner, msg):  # type: ignore[arg-type]
-            self._client_gone(entry.owner)  # type: ignore[arg-type]
+            self._client_gone(entry.owner)
 
     async def _on_control(self, msg: tt.Control) -> None:
         log.info("control from the launcher: %s %s", msg.action, msg.reason)
@@ -433,6 +434,4 @@ def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:
         else None
     )
     fields = cls.__struct_fields__ if cls is not None else ()
-    return tc.Failure(
-        rid, "invalid_request", str(error), prepare.error_field(str(error), "frame", fields)
-    )
+    return tc.Failure(rid, "invalid_request", str(error), error_field(str(error), "frame", fields))

@@ -210,7 +210,7 @@ class Reply:
     async def whole(self, entry: Entry) -> dict[str, Any]:
         text, logprobs, calls = [], [], []
         while True:
-            chunk = _chunk(await entry.chunks.get())  # type: ignore[union-attr]
+            chunk = _chunk(await entry.replies().get())
             piece, new_calls = self._text(chunk)
             text.append(piece)
             calls += new_calls
@@ -221,10 +221,10 @@ class Reply:
                 return self.fmt.whole("".join(text), chunk, logprobs, calls)
 
     async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
-        queue = entry.chunks
+        queue = entry.replies()
         # NOTE: nothing is sent before the engine's first answer, so a refusal after admission
         # (the scheduler's own queue bound, a drain that began) still gets its HTTP status.
-        first = _chunk(await queue.get())  # type: ignore[union-attr]
+        first = _chunk(await queue.get())
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         out = bytearray()
@@ -233,13 +233,13 @@ class Reply:
         done = self._events(first, out)
         while True:
             # NOTE: one write for everything that arrived meanwhile (one syscall per batch)
-            while not done and not queue.empty():  # type: ignore[union-attr]
-                done = self._events(queue.get_nowait(), out)  # type: ignore[union-attr]
+            while not done and not queue.empty():
+                done = self._events(queue.get_nowait(), out)
             await resp.write(bytes(out))
             if done:
                 break
             out = bytearray()
-            done = self._events(await queue.get(), out)  # type: ignore[union-attr]
+            done = self._events(await queue.get(), out)
         await resp.write_eof()
         return resp
 

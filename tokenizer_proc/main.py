@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from engine import child
 from engine.config import EngineConfig
 from engine.ipc import Endpoints
+from engine.messages.to_launcher import SchedulerFacts
 from engine.tokenizer_loader import load_tokenizer
 from tokenizer_proc.trim import keep_large_blocks_mapped
 
 
-def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict[str, Any]) -> None:
+def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: SchedulerFacts) -> None:
     child.setup("tokenizer", config.log_level)
     keep_large_blocks_mapped()  # NOTE: client inputs of many MB must not pin heap memory
     me = child.Child("tokenizer", endpoints.launcher, parent_pid)
@@ -21,18 +21,18 @@ def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: dict
 
 
 async def _serve(
-    me: child.Child, config: EngineConfig, endpoints: Endpoints, facts: dict[str, Any]
+    me: child.Child, config: EngineConfig, endpoints: Endpoints, facts: SchedulerFacts
 ) -> None:
     from tokenizer_proc.frontend import Frontend
     from tokenizer_proc.http_api import HttpApi
 
     with me.starting():
-        tokenizer = load_tokenizer(str(facts["model_dir"]), str(facts["tokenizer_defaults"]))
+        tokenizer = load_tokenizer(facts.model_dir, facts.tokenizer_defaults)
         frontend = Frontend(config, endpoints, tokenizer, facts, me.send_launcher_shutdown)
         # NOTE: bound while starting, so a port in use is a start-up failure the launcher reports.
         http = HttpApi(frontend)
         await http.start(config.host, config.port)
-    me.ready(endpoint=endpoints.client)
+    me.ready()
     try:
         await frontend.serve(me.orphaned)
     finally:

@@ -7,10 +7,12 @@ In-memory only (no I/O): `render()` returns the text format that `GET /metrics` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from engine.messages.to_client import FinishReason
 
 PREFIX = "mlx_engine_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -35,7 +37,7 @@ COUNTERS = (
     ("requests_received", "requests_received", "Generation requests received"),
     ("requests_rejected", "requests_rejected", "Requests refused with an error"),
 )
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 class Metrics:

@@ -1,26 +1,16 @@
-"""Turn a client's `Generate` into prompt token ids and `SamplingParams`, or an `InvalidRequest`
-naming the field. Pure functions of the request and the tokenizer: no sockets, no state."""
+"""Turn a client's `Generate` into prompt token ids, or an `InvalidRequest` naming the field
+(its sampling keywords: `SamplingParams.parse`). Pure functions of the request and the tokenizer:
+no sockets, no state."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-import msgspec
 
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
-from engine.sampling_params import SamplingParams
+from engine.prompt_check import check_prompt
 
 SOURCES = ("prompt", "messages", "input_ids")
-
-
-def sampling_params(raw: dict[str, Any], vocab_size: int) -> SamplingParams:
-    try:
-        params = msgspec.convert(raw, SamplingParams)
-    except msgspec.ValidationError as e:
-        raise InvalidRequest(error_field(str(e), "params"), str(e)) from None
-    return params.validate(vocab_size)
 
 
 def source_of(req: Generate) -> str:
@@ -37,18 +27,17 @@ def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) 
     source = source_of(req)
     if req.tools is not None and source != "messages":
         raise InvalidRequest("tools", "tools need messages (a chat)")
-    if source == "messages":
-        ids = _from_messages(req.messages, tokenizer, req.tools)  # type: ignore[arg-type]
+    # NOTE: source_of() made sure exactly one of the three is given.
+    if req.messages is not None:
+        ids = _from_messages(req.messages, tokenizer, req.tools)
+    elif req.prompt is not None:
+        ids = _from_prompt(req.prompt, tokenizer)
     else:
-        ids = _ENCODERS[source](getattr(req, source), tokenizer, vocab_size)
-    if not ids:
-        raise InvalidRequest(source, "the prompt has no tokens")
-    if len(ids) >= max_context:
-        raise InvalidRequest(source, f"{len(ids)} prompt tokens; the context holds {max_context}")
-    return ids
+        ids = list(req.input_ids or [])
+    return check_prompt(ids, vocab_size, max_context, source)
 
 
-def _from_prompt(prompt: str, tokenizer: Any, vocab_size: int) -> list[int]:
+def _from_prompt(prompt: str, tokenizer: Any) -> list[int]:
     if not prompt:
         raise InvalidRequest("prompt", "must not be empty")
     # NOTE: as mlx-lm's generate does: no second BOS when the text already starts with one.
@@ -74,32 +63,3 @@ def _from_messages(
     except Exception as e:  # NOTE: a template raises anything (jinja errors included)
         raise InvalidRequest("messages", f"chat template failed: {e}") from None
     return list(ids)
-
-
-def _from_ids(ids: list[int], tokenizer: Any, vocab_size: int) -> list[int]:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest("input_ids", f"ids out of range [0, {vocab_size}): {bad[:8]}")
-    return ids
-
-
-_ENCODERS = {"prompt": _from_prompt, "input_ids": _from_ids}
-
-_PATH = re.compile(r"at `\$(?:\[(\d+)\]|\.(\w+))")
-_UNKNOWN = re.compile(r"unknown field `(\w+)`")
-
-
-def error_field(message: str, default: str, fields: tuple[str, ...] = ()) -> str:
-    """The field a msgspec validation error is about: `$.name`, `$[i]` of an array-like struct
-    with `fields` (index 0 is the tag), or an unknown field's name."""
-    if m := _UNKNOWN.search(message):
-        return m.group(1)
-    m = _PATH.search(message)
-    if m is None:
-        return default
-    if m.group(2):
-        return m.group(2)
-    index = int(m.group(1))
-    if index == 0:
-        return "type"
-    return fields[index - 1] if index - 1 < len(fields) else default

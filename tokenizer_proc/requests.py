@@ -29,6 +29,11 @@ class Entry:
     first_token_at: float | None = None
     last_token_at: float | None = None
 
+    def replies(self) -> asyncio.Queue[Any]:
+        """The queue of a request whose replies go to one (HTTP, health generation)."""
+        assert self.chunks is not None, "a ZMQ client's replies go to its ROUTER identity"
+        return self.chunks
+
 
 class RequestTable:
     def __init__(self) -> None:

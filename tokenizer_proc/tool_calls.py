@@ -29,7 +29,7 @@ class ToolCallStream:
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """Content text that is final now, and the tool calls completed by `text`."""
         self._buf += text
-        content, calls = "", []
+        content, calls = "", list[dict[str, Any]]()
         while True:
             if self._inside:
                 at = self._buf.find(self.end)

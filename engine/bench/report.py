@@ -50,10 +50,10 @@ def table(engines: list[EngineResult]) -> str:
     lines = [HEADER]
     for e in engines:
         lines += [_row(e.name, lv.load.label(), lv.warm) for lv in e.levels]
-    cold = [e for e in engines if e.cold]
+    cold = [(e.name, e.cold) for e in engines if e.cold]
     if cold:
         lines += ["cold (first wave after start):"]
-        lines += [_row(e.name, f"wave of {e.cold.requests}", e.cold) for e in cold]  # type: ignore[union-attr]
+        lines += [_row(name, f"wave of {c.requests}", c) for name, c in cold]
     lines += ratio_lines(engines)
     return "\n".join(lines)
 
@@ -118,7 +118,7 @@ def plot(path: Path, engines: list[EngineResult], title: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     rate = bool(engines and engines[0].levels and engines[0].levels[0].load.rate)
-    xs: list[float] = []
+    xs: list[float | None] = []
     for e in engines:
         xs = [lv.load.rate if rate else lv.load.concurrency for lv in e.levels]
         left.plot(xs, [lv.warm.output_throughput for lv in e.levels], marker="o", label=e.name)

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 START_TIMEOUT_S = 600.0
 
@@ -30,7 +30,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = START_TIMEOU
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[2]} exited during start-up (code {proc.returncode})")
+            name = cast("list[str]", proc.args)[2]
+            raise RuntimeError(f"{name} exited during start-up (code {proc.returncode})")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                 if resp.status == 200:

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+import msgspec
+
 from engine.protocol import Message
-from scheduler_proc.output import TokenLogprob
+
+# NOTE: the one spelling of why a request ended, on every layer (scheduler, wire, SDK, HTTP).
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One generated token's logprob and the top-n (id, logprob) pairs of its distribution."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
 
 
 class Welcome(Message):
@@ -16,12 +29,14 @@ class Welcome(Message):
 
 
 class Chunk(Message):
-    """A text delta of one request; `finish_reason` is set on the request's last chunk only."""
+    """One request's result of one step: its new token ids (the scheduler fills those and the
+    counts) and their text (the detokenizer fills it in). `finish_reason` is set on the request's
+    last chunk only. The one record of a step's result, from the scheduler to the SDK."""
 
     rid: str
     text: str = ""
     token_ids: list[int] = []
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -7,9 +7,9 @@ One sender keeps every request's messages in order: `Register` before its first 
 
 from __future__ import annotations
 
+from engine.messages.to_client import Chunk
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.protocol import Message
-from scheduler_proc.output import StepOutput
 
 
 class Register(Message):
@@ -20,7 +20,9 @@ class Register(Message):
 
 
 class StepOutputs(Message):
-    outputs: list[StepOutput]
+    """One scheduler step's `Chunk`s, token ids only (`text` empty until the detokenizer)."""
+
+    outputs: list[Chunk]
 
 
 class SchedulerExited(Message):

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from engine.protocol import Message
 
 
+class SchedulerFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What the scheduler learned while starting, which the other children need: the model
+    directory it resolved (a .gguf is converted first) and the limits of its KV pool."""
+
+    model_dir: str
+    model: str  # the name clients see
+    vocab_size: int
+    max_context: int  # tokens per request (prompt + generated): one KV row
+    kv_budget_tokens: int = 0
+    prefix_cache_tokens: int = 0
+    tokenizer_defaults: str = "null"  # JSON of the model module's TOKENIZER_DEFAULTS
+
+
 class Ready(Message):
-    """A child finished starting; `facts` carry what the next children need (model dir, limits)."""
+    """A child finished starting; the scheduler's READY carries its `SchedulerFacts`."""
 
     process: str
     pid: int
-    facts: dict[str, str | int | float] = {}
+    facts: SchedulerFacts | None = None
 
 
 class StartFailed(Message):

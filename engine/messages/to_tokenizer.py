@@ -6,9 +6,9 @@ Two sockets, two unions: `FromClient` on the client ROUTER endpoint (SDK and raw
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from engine.messages.to_client import Chunk
+from engine.messages.to_client import Chunk, Failure
 from engine.protocol import Message
 
 # --- from clients -------------------------------------------------------------------------------
@@ -47,7 +47,15 @@ class HealthCheck(Message):
     rid: str
 
 
+# NOTE: the engine's verdict on a HealthGenerate comes within this; a client waits a little longer
+# (REPLY_SLACK_S) so that it hears "unhealthy" instead of timing out itself.
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+REPLY_SLACK_S = 10.0
+
+
 class HealthGenerate(Message):
+    """A real one-token generation through the whole engine; answered by a HealthReply."""
+
     rid: str
 
 
@@ -91,12 +99,10 @@ class Chunks(Message):
 
 
 class RequestFailed(Message):
-    """The scheduler refused a request after admission (e.g. it can never fit the KV cache)."""
+    """The scheduler refused a request after admission (e.g. it can never fit the KV cache);
+    the front door hands `failure` to the request's client as it is."""
 
-    rid: str
-    kind: str
-    message: str
-    field: str = ""
+    failure: Failure
 
 
 class Heartbeat(Message):
@@ -113,7 +119,7 @@ class SchedulerStats(Message):
 class Control(Message):
     """From the launcher: `drain` (refuse new requests) or `fail` (the engine died)."""
 
-    action: str
+    action: Literal["drain", "fail"]
     reason: str = ""
 
 

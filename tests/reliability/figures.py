@@ -1,4 +1,4 @@
-"""The reliability suite's figures (issue 11's "Done when"), printed at the end of the run.
+"""The reliability suite's figures (what it must show), printed at the end of the run.
 
 Set MLX_ENGINE_SOAK=SECONDS for the longer soak: the storm and the hostile phase then run that
 long (the hostile phase at most a minute) and the fuzzer sends proportionally more frames.

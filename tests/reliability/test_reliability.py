@@ -1,4 +1,4 @@
-"""The reliability suite (issue 11): one engine on loopback through storms of aborts and
+"""The reliability suite: one engine on loopback through storms of aborts and
 disconnects, thousands of fuzzed frames and hostile clients; nothing lost, nothing stalled, KV and
 resident memory back where they started. Figures go to the "reliability figures" summary."""
 

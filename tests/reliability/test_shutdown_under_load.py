@@ -1,4 +1,4 @@
-"""Repeated graceful shutdown under load (issue 11): each time, every stream gets its last chunk,
+"""Repeated graceful shutdown under load: each time, every stream gets its last chunk,
 the launcher exits 0 and no process is left."""
 
 from __future__ import annotations

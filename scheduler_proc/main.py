@@ -1,7 +1,8 @@
 """The scheduler process: drives `Scheduler` with messages, sends its token ids to the detokenizer.
 
-The loop (DESIGN.md §4, §5): check the exit flag first, tick the heartbeat, take messages (block
-briefly only when idle), enforce the drain deadline, run one scheduler step, send its outputs.
+The loop (docs/scheduler.md, docs/processes.md): check the exit flag first, tick the heartbeat,
+take messages (block briefly only when idle), enforce the drain deadline, run one scheduler step,
+send its outputs.
 
 NOTE: no input/output threads here. libzmq already moves bytes on its own I/O thread, so a send is
 an enqueue of a few microseconds; Python threads would only add GIL hand-offs next to the step.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -20,11 +21,20 @@ from engine import child
 from engine.config import EngineConfig
 from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
-from engine.messages.to_detokenizer import Register, SchedulerExited, StepOutputs, ToDetokenizer
+from engine.messages.to_client import Chunk
+from engine.messages.to_detokenizer import (
+    Register,
+    SchedulerExited,
+    StepOutputs,
+    ToDetokenizer,
+)
+from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.wire_errors import to_failure
-from scheduler_proc.output import StepOutput
+
+if TYPE_CHECKING:  # NOTE: imported at run time only after the BLAS set-up (see _create)
+    from scheduler_proc.scheduler import Scheduler
 
 log = logging.getLogger("scheduler")
 
@@ -40,53 +50,54 @@ def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
     me = child.Child("scheduler", endpoints.launcher, parent_pid)
     with me.starting():
         loop, facts = _create(config, endpoints, me.orphaned)
-    me.ready(**facts)
+    me.ready(facts)
     loop.run()
     me.close()
 
 
 def _create(
     config: EngineConfig, endpoints: Endpoints, orphaned: threading.Event
-) -> tuple[SchedulerLoop, dict[str, Any]]:
+) -> tuple[SchedulerLoop, SchedulerFacts]:
     from engine.cpu_backend import setup_cpu_backend
 
     # NOTE: before anything imports mlx.core in this process (a BLAS preload only works then).
     setup_cpu_backend(config)
     from engine.models import resolve_model_dir
-    from engine.offline import load_for_scheduler
     from engine.tokenizer_loader import tokenizer_defaults
+    from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.scheduler import Scheduler
 
     model_dir = resolve_model_dir(config.model)
     model, eos = load_for_scheduler(str(model_dir), config)
     scheduler = Scheduler(config, model, eos)
-    facts = {
-        "model_dir": str(model_dir),
-        "model": model_dir.name,
-        "vocab_size": int(scheduler.vocab),
-        "max_context": int(scheduler.stats()["kv_row_len"]),
-        "kv_budget_tokens": scheduler.kv_plan.budget.tokens,
-        "prefix_cache_tokens": scheduler.kv_plan.store_tokens,
-        "tokenizer_defaults": tokenizer_defaults(model_dir),
-    }
+    facts = SchedulerFacts(
+        model_dir=str(model_dir),
+        model=model_dir.name,
+        vocab_size=int(scheduler.vocab),
+        max_context=scheduler.max_context,
+        kv_budget_tokens=scheduler.kv_plan.budget.tokens,
+        prefix_cache_tokens=scheduler.kv_plan.store_tokens,
+        tokenizer_defaults=tokenizer_defaults(model_dir),
+    )
     return SchedulerLoop(scheduler, endpoints, orphaned), facts
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Any, endpoints: Endpoints, orphaned: threading.Event) -> None:
-        ctx = zmq.Context.instance()
+    def __init__(
+        self, scheduler: Scheduler, endpoints: Endpoints, orphaned: threading.Event
+    ) -> None:
+        ctx: zmq.Context = zmq.Context.instance()
         self.sched = scheduler
         self.orphaned = orphaned
         self.inbox: PullQueue[ToScheduler] = PullQueue(ctx, endpoints.scheduler, ToScheduler)
         self.outbox: PushQueue[ToDetokenizer] = PushQueue(ctx, endpoints.detokenizer, ToDetokenizer)
-        self.live: dict[str, int] = {}  # rid -> prompt tokens, until its terminal output is sent
         self.drain_at: float | None = None
         self.aborted_at: float | None = None
         self._last_tick = 0.0
 
     def run(self) -> None:
         while True:
-            if self._should_exit():  # NOTE: first thing each iteration (seeds/README.md)
+            if self._should_exit():  # NOTE: first each iteration: a shutdown waits for no step
                 break
             self._heartbeat()
             self._receive()
@@ -102,7 +113,7 @@ class SchedulerLoop:
             return False
         if self.aborted_at is not None and time.monotonic() > self.aborted_at + ABORT_SETTLE_S:
             return True
-        return not self.live and not self.sched.has_work()
+        return not self.sched.in_flight() and not self.sched.has_work()
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -135,39 +146,35 @@ class SchedulerLoop:
         try:
             if self.drain_at is not None:
                 raise ShuttingDown("the engine is shutting down")
-            self.sched.submit(msg.rid, msg.input_ids, msg.params)
+            # NOTE: the front door checked prompt and params against this scheduler's facts.
+            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True)
         except EngineError as e:
             self._refuse(msg.rid, e)
-            return
         except Exception as e:  # NOTE: one bad request never takes the scheduler down
             log.exception("rid=%s submit failed", msg.rid)
             self._refuse(msg.rid, EngineError(f"{type(e).__name__}: {e}"))
-            return
-        self.live[msg.rid] = len(msg.input_ids)
 
     def _refuse(self, rid: str, error: EngineError) -> None:
-        f = to_failure(rid, error)
         log.info("rid=%s refused: %s", rid, error)
-        self.outbox.put(RequestFailed(rid, f.kind, f.message, f.field))
+        self.outbox.put(RequestFailed(to_failure(rid, error)))
 
     def _begin_drain(self, grace: float) -> None:
         if self.drain_at is None:
-            log.info("draining: %d running request(s), grace %.1fs", len(self.live), grace)
+            n = len(self.sched.in_flight())
+            log.info("draining: %d running request(s), grace %.1fs", n, grace)
             self.drain_at = time.monotonic() + grace
 
     def _enforce_drain(self) -> None:
         if self.drain_at is None or self.aborted_at is not None:
             return
-        if time.monotonic() >= self.drain_at and self.live:
-            log.info("grace period over; aborting %d request(s)", len(self.live))
-            for rid in list(self.live):
+        live = self.sched.in_flight()
+        if time.monotonic() >= self.drain_at and live:
+            log.info("grace period over; aborting %d request(s)", len(live))
+            for rid in live:
                 self.sched.abort(rid)
             self.aborted_at = time.monotonic()
 
-    def _send(self, outputs: list[StepOutput]) -> None:
-        for out in outputs:
-            if out.finish_reason is not None:
-                self.live.pop(out.rid, None)
+    def _send(self, outputs: list[Chunk]) -> None:
         if outputs:
             self.outbox.put(StepOutputs(outputs))
 
@@ -177,7 +184,8 @@ class SchedulerLoop:
         self.sched.shutdown()
         self._send(self.sched.step())
         # NOTE: whatever the scheduler could not report still gets its terminal output.
-        self._send([StepOutput(rid, [], "abort", n) for rid, n in self.live.items()])
+        lost = self.sched.in_flight().items()
+        self._send([Chunk(rid, finish_reason="abort", prompt_tokens=n) for rid, n in lost])
         mx.synchronize()
         self.outbox.put(SchedulerExited())
         self.inbox.close()

@@ -14,7 +14,7 @@ from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.request import Req
 
 
-class SlotTable:
+class RowTable:
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
         self.reqs: list[Req] = []
