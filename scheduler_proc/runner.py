@@ -32,6 +32,9 @@ def row_params(req: Req) -> RowParams:
 class Runner:
     def __init__(self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders) -> None:
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
+        # NOTE: with recurrent state layers a prefill step's chunks are all equally long and run
+        # unpadded (`scheduler._uniform_chunks`): padding inside a row could reach its state.
+        self.uniform_prefill = bool(pool.layout.states)
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.shapes_warmed = 0  # of those, run by the warm-up
 
@@ -63,7 +66,8 @@ class Runner:
         NOTE: the logits are never evaluated, so the LM head (and the last layer's MLP) never
         runs: `mx.async_eval` asks only for the KV buffers.
         """
-        width = self.ladders.pad_width(max(c.end - c.start for c in chunks))
+        longest = max(c.end - c.start for c in chunks)
+        width = longest if self.uniform_prefill else self.ladders.pad_width(longest)
         n = self.ladders.pad_rows(len(chunks))
         pad = n - len(chunks)
         plan = StepRows(

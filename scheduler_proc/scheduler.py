@@ -55,11 +55,23 @@ COUNTERS = (
 class Scheduler:
     def __init__(self, config: EngineConfig, model: nn.Module, eos_token_ids: Iterable[int]):
         self.config = config
-        shapes, self.vocab = probe_model(model)
+        layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        self.kv_plan = plan_kv(config, bytes_per_token(shapes), max_pos, weights_bytes(model))
+        self.kv_plan = plan_kv(
+            config,
+            bytes_per_token(layout.kv),
+            max_pos,
+            weights_bytes(model),
+            row_state_bytes=layout.state_bytes_per_row,
+            prefix_cache_ok=not layout.states,
+        )
         log.info(self.kv_plan.describe())
-        self.pool = KVPool(shapes, self.kv_plan.rows, self.kv_plan.row_len)
+        if layout.states and not config.disable_radix_cache:
+            # NOTE: a recurrent state is only exact at the position it was taken; without
+            # snapshots a cached prefix cannot restore it (docs/models.md).
+            log.info("prefix cache off: the model has recurrent state layers")
+        shapes = list(layout.kv)
+        self.pool = KVPool(shapes, self.kv_plan.rows, self.kv_plan.row_len, layout)
         store = self.kv_plan.store_tokens
         cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
         self.prefix = PrefixReuse(cache, self.pool)
@@ -278,6 +290,8 @@ class Scheduler:
         todo = [r for r in self.slots.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
+        if self.runner.uniform_prefill:
+            return self._chunks(_uniform_chunks(todo, self._natural_chunk, self.prefill_budget))
 
         def rows(width: int) -> list[Req]:
             return todo[: max(1, self.prefill_budget // width)]
@@ -286,9 +300,20 @@ class Scheduler:
             return sum(min(_body_left(r), width) for r in rows(width)), -width
 
         width = max(self.ladders.widths, key=tokens)
+        return self._chunks([(req, min(_body_left(req), width)) for req in rows(width)])
+
+    def _natural_chunk(self, req: Req) -> int:
+        """A row's chunk in a step without padding: the most it may run, down to a ladder width
+        (a bucketed shape) when there is one, else its whole rest."""
+        n = min(_body_left(req), self.chunk)
+        if self.ladders.exact:
+            return n
+        fits = [w for w in self.ladders.widths if w <= n]
+        return fits[-1] if fits else n
+
+    def _chunks(self, plan: list[tuple[Req, int]]) -> list[Chunk]:
         chunks = []
-        for req in rows(width):
-            n = min(_body_left(req), width)
+        for req, n in plan:
             chunks.append(Chunk(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
@@ -406,6 +431,26 @@ def _describe(batch: Batch) -> str:
         return f"prefill {len(batch.chunks)} chunks, {sum(c.end - c.start for c in batch.chunks)} tokens"
     kind = "chained" if batch.chained else "fresh"
     return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
+
+
+def _uniform_chunks(
+    todo: list[Req], natural: Callable[[Req], int], budget: int
+) -> list[tuple[Req, int]]:
+    """Rows that all run the same number of tokens: the group that runs the most of them.
+
+    NOTE: for models with recurrent state layers. A padded position inside a row would reach
+    the row's state in some of mlx-lm's models (nemotron_h's Mamba scan takes no lengths), so
+    their prefill steps have no padding inside a row: every chunk of a step is equally long.
+    """
+    groups: dict[int, list[Req]] = {}
+    for req in todo:
+        groups.setdefault(natural(req), []).append(req)
+
+    def fit(n: int) -> int:  # NOTE: rows x width stays within --max-prefill-tokens
+        return max(1, budget // n)
+
+    n, reqs = max(groups.items(), key=lambda g: (g[0] * min(len(g[1]), fit(g[0])), g[0]))
+    return [(r, n) for r in reqs[: fit(n)]]
 
 
 def _body_left(req: Req) -> int:

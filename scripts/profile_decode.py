@@ -54,7 +54,7 @@ def main() -> None:
     path = str(random_model_dir(args.random)) if args.random else args.model
     model, _ = load_for_scheduler(path, EngineConfig())
     b, n = args.batch, args.context
-    shapes, vocab = probe_model(model)
+    layout, vocab = probe_model(model)
     tokens = mx.zeros((b, 1), mx.int32)
 
     cache = make_prompt_cache(model)
@@ -66,7 +66,7 @@ def main() -> None:
         for c in cache:  # NOTE: stay at n tokens, so every call costs the same
             c.offset -= 1
 
-    pool = KVPool(shapes, b, n + 512)
+    pool = KVPool(list(layout.kv), b, n + 512, layout)
     lad = Ladders.for_pool(b, n + 512, 512)
     plan = StepRows(list(range(b)), [n] * b, [1] * b, width=1)
 

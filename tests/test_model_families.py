@@ -1,0 +1,104 @@
+"""Every tested architecture family, token for token with mlx-lm's own `generate_step`.
+
+Tiny random models of each family (`engine.random_model.TINY_FAMILIES`): plain attention (llama,
+qwen3, phi3), mixture of experts (qwen3_moe, gpt_oss), sliding-window layers (gemma3_text, gpt_oss
+with attention sinks, ministral3; window 16 tokens, so prompts and decodes cross it) and hybrid
+recurrent layers (qwen3_next: gated delta net, nemotron_h: Mamba-2, lfm2: short convolutions).
+Greedy, staggered arrivals under continuous batching, chunked prefill (chunk 8 < window), the
+prefix cache on and off, overlap on and off.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_util import (
+    bucketed,
+    count_forwards,
+    drive,
+    greedy,
+    make_scheduler,
+    random_prompt,
+    reference_greedy,
+    tiny_model,
+    tokens,
+)
+
+from engine.random_model import TINY_FAMILIES, TINY_WINDOW, make_random_model
+
+WINDOWED = ["gemma3_text", "gpt_oss", "ministral3"]
+HYBRID = ["qwen3_next", "nemotron_h", "lfm2"]
+FAMILIES = ["qwen3_moe", "phi3", *WINDOWED, *HYBRID]
+
+# NOTE: around the window (16) and the chunk (8): 1-token prompts, one chunk, a chunk and a
+# one-token tail, prompts crossing the window once and several times.
+PROMPT_LENS = [1, 2, 7, 8, 9, 15, 16, 17, 24, 31, 33, 40, 57, 90]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    name = request.param
+    path = make_random_model(tmp_path_factory.mktemp(name), TINY_FAMILIES[name])
+    return name, tiny_model(path)
+
+
+def _workload(seed: int, lens: list[int] = PROMPT_LENS):
+    rng = random.Random(seed)
+    reqs = []
+    for i, n in enumerate(lens):
+        # NOTE: up to 30 new tokens, so decodes cross the window too.
+        reqs.append((f"r{i}", random_prompt(rng, n), rng.randint(1, 30), rng.randint(0, 30)))
+    return reqs
+
+
+def _run(model, reqs, buckets: bool = False, **overrides):
+    base = dict(chunked_prefill_size=8, max_prefill_tokens=32)
+    sched = make_scheduler(model, **{**base, **overrides})
+    if buckets:
+        bucketed(sched)
+    forwards = count_forwards(sched)
+    arrivals: dict = {}
+    for rid, prompt, max_tokens, at in reqs:
+        arrivals.setdefault(at, []).append((rid, prompt, greedy(max_tokens)))
+    return sched, drive(sched, arrivals), forwards
+
+
+def _check(model, reqs, **overrides):
+    sched, outs, forwards = _run(model, reqs, **overrides)
+    for rid, prompt, max_tokens, _ in reqs:
+        assert tokens(outs[rid]) == reference_greedy(model, prompt, max_tokens), rid
+        assert outs[rid][-1].finish_reason == "length"
+    stats = sched.stats()
+    assert stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0
+    assert forwards == [1] * stats["steps_launched"]
+    return sched
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_parity(family, overlap):
+    _, model = family
+    sched = _check(model, _workload(1), disable_overlap=not overlap)
+    if overlap:
+        assert sched.stats()["steps_chained"] > 0
+
+
+def test_greedy_parity_with_gpu_shape_buckets(family):
+    """Padded rows, widths and key lengths: padding must not reach any row's KV or state."""
+    _, model = family
+    _check(model, _workload(2), buckets=True)
+
+
+def test_greedy_parity_prefix_cache_on_and_off(family):
+    """Shared prefixes (longer than the window) hit where the model allows it; same tokens."""
+    name, model = family
+    rng = random.Random(3)
+    system = random_prompt(rng, 3 * TINY_WINDOW)
+    reqs = [(f"s{i}", system + random_prompt(rng, 5 + 7 * i), 6, 25 * i) for i in range(4)]
+    for cache in (True, False):
+        sched = _check(model, reqs, disable_radix_cache=not cache)
+        hits = sched.stats().get("prefix_cache_hit_tokens", 0)
+        if cache and name not in HYBRID:
+            assert hits >= 3 * len(system), hits
+        else:
+            assert hits == 0
