@@ -102,3 +102,43 @@ def test_greedy_parity_prefix_cache_on_and_off(family):
             assert hits >= 3 * len(system), hits
         else:
             assert hits == 0
+
+
+def test_the_family_models_see_their_context(family):
+    """Changing only the first prompt token (out of the window of a sliding layer) changes the
+    output, and the output is not one token repeated: a KV, window or state bug shows."""
+    _, model = family
+    rng = random.Random(0)
+    changed = 0
+    for _ in range(12):
+        prompt = random_prompt(rng, rng.randint(20, 60))
+        other = [(prompt[0] + 1) % 49152, *prompt[1:]]
+        out = reference_greedy(model, prompt, 6)
+        changed += out != reference_greedy(model, other, 6)
+        assert len(set(out)) > 1, out
+    assert changed >= 6
+
+
+def test_a_model_with_an_unsupported_cache_kind_is_refused(tmp_path):
+    """The named error, not a wrong answer: a chunked-attention cache has no rows in the pool."""
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache
+
+    from engine.errors import ModelError
+
+    model = tiny_model(make_random_model(tmp_path, TINY_FAMILIES["llama"]))
+    model.make_cache = lambda: [ChunkedKVCache(16), KVCache()]
+    try:
+        with pytest.raises(ModelError, match="unsupported cache types .*ChunkedKVCache"):
+            make_scheduler(model)
+    finally:
+        del model.make_cache
+
+
+def test_a_reused_row_starts_from_a_clean_state(family):
+    """Short prompts on rows that longer requests just left (and rows moved into the holes):
+    a recurrent state left behind would change their first tokens."""
+    _, model = family
+    rng = random.Random(4)
+    reqs = [(f"long{i}", random_prompt(rng, 40 + i), 3 + 2 * i, 0) for i in range(3)]
+    reqs += [(f"short{i}", random_prompt(rng, 1 + i % 3), 4, 20 + 3 * i) for i in range(6)]
+    _check(model, reqs)
