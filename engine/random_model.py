@@ -72,6 +72,20 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "sliding_window": TINY_WINDOW,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    "gemma4_text": {
+        **TINY_LLAMA,
+        "model_type": "gemma4_text",
+        "num_hidden_layers": 4,  # NOTE: sliding, full, then two layers sharing their K/V
+        "num_kv_shared_layers": 2,
+        "sliding_window_pattern": 2,
+        "sliding_window": TINY_WINDOW,
+        "global_head_dim": 32,  # NOTE: per-layer head dims: 16 sliding, 32 full
+        "num_global_key_value_heads": 1,
+        "vocab_size_per_layer_input": 49152,
+        "hidden_size_per_layer_input": 16,
+        "use_double_wide_mlp": False,
+        "tie_word_embeddings": False,
+    },
     "ministral3": {
         **TINY_LLAMA,
         "model_type": "ministral3",
@@ -151,14 +165,54 @@ LLAMA_3_2_1B: dict[str, Any] = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-RANDOM_SHAPES = {"llama-1b": LLAMA_3_2_1B}
+# NOTE: small models of two kinds the slot pool holds besides full attention, for CPU benchmarks
+# against mlx-lm's BatchGenerator: gemma3_text (5 sliding-window layers of 128 tokens to 1 full)
+# and qwen3_next (gated delta net recurrent layers, 1 full-attention layer in 4, MoE).
+GEMMA3_SMALL: dict[str, Any] = {
+    **TINY_FAMILIES["gemma3_text"],
+    "hidden_size": 512,
+    "num_hidden_layers": 6,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 128,
+    "sliding_window_pattern": 6,
+}
+QWEN3_NEXT_SMALL: dict[str, Any] = {
+    **TINY_FAMILIES["qwen3_next"],
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "full_attention_interval": 4,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_value_heads": 8,
+    "linear_num_key_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "num_experts": 8,
+    "moe_intermediate_size": 384,
+    "shared_expert_intermediate_size": 384,
+}
+
+# NOTE: name -> (config, dtype): bf16 for the GPU shape, float32 for the CPU ones (the CPU's
+# bf16 matmuls are slow and not what a CPU user runs).
+RANDOM_SHAPES: dict[str, tuple[dict[str, Any], mx.Dtype]] = {
+    "llama-1b": (LLAMA_3_2_1B, mx.bfloat16),
+    "gemma3-small": (GEMMA3_SMALL, mx.float32),
+    "qwen3next-small": (QWEN3_NEXT_SMALL, mx.float32),
+}
 
 
 def random_model_dir(name: str) -> Path:
-    """A random-weight bf16 model of a named shape in a temporary directory."""
+    """A random-weight model of a named shape (`RANDOM_SHAPES`) in a temporary directory."""
     import tempfile
 
-    return make_random_model(Path(tempfile.mkdtemp()), RANDOM_SHAPES[name], dtype=mx.bfloat16)
+    config, dtype = RANDOM_SHAPES[name]
+    return make_random_model(Path(tempfile.mkdtemp()), config, dtype=dtype)
 
 
 def make_random_model(

@@ -32,7 +32,7 @@ def timed(fn, steps: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--random", choices=["llama-1b"])
+    p.add_argument("--random", choices=["llama-1b", "gemma3-small", "qwen3next-small"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--steps", type=int, default=20)

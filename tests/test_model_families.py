@@ -27,7 +27,7 @@ from scheduler_util import (
 
 from engine.random_model import TINY_FAMILIES, TINY_WINDOW, make_random_model
 
-WINDOWED = ["gemma3_text", "gpt_oss", "ministral3"]
+WINDOWED = ["gemma3_text", "gemma4_text", "gpt_oss", "ministral3"]
 HYBRID = ["qwen3_next", "nemotron_h", "lfm2"]
 FAMILIES = ["qwen3_moe", "phi3", *WINDOWED, *HYBRID]
 
@@ -110,13 +110,13 @@ def test_the_family_models_see_their_context(family):
     _, model = family
     rng = random.Random(0)
     changed = 0
-    for _ in range(12):
+    for _ in range(8):
         prompt = random_prompt(rng, rng.randint(20, 60))
         other = [(prompt[0] + 1) % 49152, *prompt[1:]]
-        out = reference_greedy(model, prompt, 6)
-        changed += out != reference_greedy(model, other, 6)
+        out = reference_greedy(model, prompt, 16)
+        changed += out != reference_greedy(model, other, 16)
         assert len(set(out)) > 1, out
-    assert changed >= 6
+    assert changed >= 4
 
 
 def test_a_model_with_an_unsupported_cache_kind_is_refused(tmp_path):
