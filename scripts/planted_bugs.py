@@ -25,6 +25,7 @@ DEFAULT_TESTS = (
     "tests/test_scheduler_parity.py",
     "tests/test_prefix_cache_parity.py",
     "tests/test_scheduler_lifecycle.py",
+    "tests/test_model_families.py",
 )
 
 
@@ -52,8 +53,8 @@ BUGS = (
     Bug(
         "single-row decode reads one key too few",
         "scheduler_proc/kv_cache.py",
-        "return buf[self.row : self.row + 1, :, : self.offset + n]",
-        "return buf[self.row : self.row + 1, :, : self.offset + n - 1]",
+        "        end = self.offset + n\n",
+        "        end = self.offset + n - 1\n",
     ),
     Bug(
         "KV written one position late",
@@ -76,8 +77,38 @@ BUGS = (
     Bug(
         "row copy skipped when a row moves",
         "scheduler_proc/kv_cache.py",
-        "        if src == dst or length <= 0:\n            return\n",
+        "        if src == dst:\n            return\n",
         "        return\n",
+    ),
+    Bug(
+        "sliding-window layers attend to every key (window dropped from the ragged mask)",
+        "scheduler_proc/kv_cache.py",
+        "ragged_mask(self.offset, self._t, self.length, window_size)",
+        "ragged_mask(self.offset, self._t, self.length, None)",
+    ),
+    Bug(
+        "a lone decode row reads every key of a window layer",
+        "scheduler_proc/kv_cache.py",
+        "start = max(0, end - window) if window is not None and n == 1 else 0",
+        "start = 0",
+    ),
+    Bug(
+        "recurrent state not zeroed when a request takes a row",
+        "scheduler_proc/kv_cache.py",
+        "        self.reset_states(row)\n",
+        "",
+    ),
+    Bug(
+        "a moved row with no tokens yet leaves its recurrent state behind",
+        "scheduler_proc/kv_cache.py",
+        "        if src == dst:\n            return\n",
+        "        if src == dst or length <= 0:\n            return\n",
+    ),
+    Bug(
+        "padded prefill chunks for a model with recurrent state",
+        "scheduler_proc/runner.py",
+        "self.uniform_prefill = bool(pool.layout.states)",
+        "self.uniform_prefill = False",
     ),
     Bug(
         "prefill chunk starts at 0 instead of the cached length",
