@@ -1,11 +1,11 @@
 """Every tested architecture family, token for token with mlx-lm's own `generate_step`.
 
 Tiny random models of each family (`engine.random_model.TINY_FAMILIES`): plain attention (llama,
-qwen3, phi3), mixture of experts (qwen3_moe, gpt_oss), sliding-window layers (gemma3_text, gpt_oss
-with attention sinks, ministral3; window 16 tokens, so prompts and decodes cross it) and hybrid
-recurrent layers (qwen3_next: gated delta net, nemotron_h: Mamba-2, lfm2: short convolutions).
-Greedy, staggered arrivals under continuous batching, chunked prefill (chunk 8 < window), the
-prefix cache on and off, overlap on and off.
+qwen3, phi3), mixture of experts (qwen3_moe, gpt_oss), sliding-window layers (gemma3_text,
+gemma4_text, gpt_oss with attention sinks, ministral3; a 16-token window, so prompts and decodes
+cross it) and hybrid recurrent layers (qwen3_next and qwen3_5: gated delta net, nemotron_h and
+granitemoehybrid: Mamba-2, lfm2: short convolutions). Greedy, staggered arrivals under continuous
+batching, chunked prefill (chunk 8 < window), the prefix cache on and off, overlap on and off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from scheduler_util import (
 from engine.random_model import TINY_FAMILIES, TINY_WINDOW, make_random_model
 
 WINDOWED = ["gemma3_text", "gemma4_text", "gpt_oss", "ministral3"]
-HYBRID = ["qwen3_next", "nemotron_h", "lfm2"]
+HYBRID = ["qwen3_next", "qwen3_5", "nemotron_h", "granitemoehybrid", "lfm2"]
 FAMILIES = ["qwen3_moe", "phi3", *WINDOWED, *HYBRID]
 
 # NOTE: around the window (16) and the chunk (8): 1-token prompts, one chunk, a chunk and a
