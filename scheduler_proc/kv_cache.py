@@ -78,19 +78,31 @@ class _RowView:
         self.row, self.offset = row, start
         self.state_rows = self.state_write = slice(row, row + 1)
 
-    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+    def write(self, buf: mx.array, new: mx.array, ring: int | None) -> mx.array:
         r, s = self.row, self.offset
+        if ring is not None:
+            assert new.shape[2] == 1, "a lone row writes one token"
+            s %= ring
         buf[r : r + 1, :, s : s + new.shape[2]] = new
         return buf
 
-    def read(self, buf: mx.array, n: int, window: int | None) -> mx.array:
+    def read(self, buf: mx.array, n: int, window: int | None, ring: int | None) -> mx.array:
+        end = self.offset + n
+        if ring is not None:
+            return buf[self.row : self.row + 1, :, : min(end, ring)]
         # NOTE: mlx-lm asks no mask of a one-token query; a window layer then must be handed only
         # its last `window` keys, as mlx-lm's RotatingKVCache holds.
-        end = self.offset + n
         start = max(0, end - window) if window is not None and n == 1 else 0
         return buf[self.row : self.row + 1, :, start:end]
 
-    def mask(self, n: int, return_array: bool, window_size: int | None):
+    def mask(self, n: int, return_array: bool, window_size: int | None, ring: int | None = None):
+        if ring is not None:
+            end = self.offset + n
+            if end <= window_size:
+                return None  # NOTE: every key read is in the window
+            ends = mx.array([end], dtype=mx.int32)
+            starts = mx.array([self.offset], dtype=mx.int32)
+            return ring_mask(starts, ends, n, min(end, ring), ring, window_size)
         if n == 1:
             return None  # NOTE: a window layer reads only its window (`read`)
         return mlx_cache.create_attention_mask(n, self.offset, return_array, window_size)
@@ -117,7 +129,9 @@ class _RaggedView:
         rows, pos = plan.write_index(scratch)
         self._write = (mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32))
         self._t = t
-        self._masks: dict[int | None, mx.array] = {}
+        self._ends = self.offset + mx.array(plan.lengths, dtype=mx.int32)
+        self._masks: dict[tuple[int | None, int | None], mx.array] = {}
+        self._ring_pos: dict[int, mx.array] = {}
         # NOTE: recurrent state: read for every forward row, written back only for rows with real
         # tokens (pad rows write the scratch row); `lengths` tells the model's conv / scan which
         # positions are real, so padding never updates a row's state.
@@ -128,20 +142,34 @@ class _RaggedView:
         padded = any(n < t for n in plan.lengths)
         self.lengths = mx.array(plan.lengths, dtype=mx.int32) if padded else None
 
-    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+    def write(self, buf: mx.array, new: mx.array, ring: int | None) -> mx.array:
         rows, pos = self._write
+        if ring is not None:
+            # NOTE: scratch positions are below the width, itself at most the ring: unchanged.
+            if ring not in self._ring_pos:
+                self._ring_pos[ring] = pos % ring
+            pos = self._ring_pos[ring]
         # NOTE: (R, kv_heads, T, dim) -> (R, T, kv_heads, dim), the shape of buf[rows, :, pos].
         buf[rows, :, pos] = new.transpose(0, 2, 1, 3)
         return buf
 
-    def read(self, buf: mx.array, n: int, window: int | None) -> mx.array:
-        return buf[self._read_rows, :, : self.length]
+    def read(self, buf: mx.array, n: int, window: int | None, ring: int | None) -> mx.array:
+        keys = self.length if ring is None else min(ring, self.length)
+        return buf[self._read_rows, :, :keys]
 
-    def mask(self, n: int, return_array: bool, window_size: int | None) -> mx.array:
+    def mask(
+        self, n: int, return_array: bool, window_size: int | None, ring: int | None = None
+    ) -> mx.array:
         # NOTE: one mask per window size: a model with sliding and full layers asks for both.
-        if window_size not in self._masks:
-            self._masks[window_size] = ragged_mask(self.offset, self._t, self.length, window_size)
-        return self._masks[window_size]
+        key = (window_size, ring)
+        if key not in self._masks:
+            if ring is None:
+                mask = ragged_mask(self.offset, self._t, self.length, window_size)
+            else:
+                keys = min(ring, self.length)
+                mask = ring_mask(self.offset, self._ends, self._t, keys, ring, window_size)
+            self._masks[key] = mask
+        return self._masks[key]
 
     def ssm_mask(self, n: int) -> mx.array | None:
         if self.lengths is None:
@@ -156,6 +184,24 @@ def ragged_mask(starts: mx.array, width: int, kv_len: int, window: int | None) -
     visible = keys <= query
     if window is not None:
         visible = visible & (keys > query - window)
+    return visible[:, None]
+
+
+def ring_mask(
+    starts: mx.array, ends: mx.array, width: int, keys: int, ring: int, window: int
+) -> mx.array:
+    """(R, 1, T, keys) over a window layer's ring of `ring` slots (position p in slot p % ring).
+
+    After the step's writes, slot j of a row ending at `e` holds position
+    `e - 1 - ((e - 1 - j) mod ring)` (negative: never written); query t (at `starts + t`) sees
+    the positions in its window up to its own. Padding queries see what the row's last real token
+    sees, so no query row of the mask is empty.
+    """
+    e = mx.maximum(ends, 1)[:, None]
+    pos = e - 1 - ((e - 1 - mx.arange(keys)[None]) % ring)
+    query = mx.minimum(starts[:, None] + mx.arange(width)[None], e - 1)
+    p, q = pos[:, None, :], query[:, :, None]
+    visible = (p >= 0) & (p <= q) & (p > q - window)
     return visible[:, None]
 
 
@@ -188,6 +234,7 @@ class LayerCache:
     def __init__(self, pool: KVPool, layer: int) -> None:
         self._pool, self._layer = pool, layer
         self._window = pool.shapes[layer].window
+        self._ring = pool.rings[layer]
 
     @property
     def offset(self):
@@ -199,6 +246,8 @@ class LayerCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # NOTE: as mlx-lm's RotatingKVCache: a window layer's mask has its window even when the
         # model does not name one.
+        if self._ring is not None:
+            return self._pool.view.mask(N, return_array, self._window, self._ring)
         return self._pool.view.mask(N, return_array, window_size or self._window)
 
 
@@ -235,16 +284,32 @@ class KVPool:
     """Per-layer K/V buffers of `rows` rows of `row_len` tokens, rows in use kept compact."""
 
     def __init__(
-        self, shapes: list[LayerShape], rows: int, row_len: int, layout: Layout | None = None
+        self,
+        shapes: list[LayerShape],
+        rows: int,
+        row_len: int,
+        layout: Layout | None = None,
+        chunk: int | None = None,
     ) -> None:
         self.shapes, self.rows, self.row_len = list(shapes), rows, row_len
         self.layout = layout or Layout.attention_only(self.shapes)
+        # NOTE: a window layer keeps a ring of `window + chunk - 1` slots when that is shorter
+        # than the row: a step's widest chunk (`chunk` tokens) then never overwrites a key one
+        # of its own queries still needs. Without `chunk` every layer keeps the whole row.
+        self.rings = [ring_size(s.window, chunk, row_len) for s in self.shapes]
         # NOTE: one row more than requests can hold: the scratch row takes a padded forward's
         # padding writes, so they never touch a row in use.
         self.scratch = rows
         n = rows + 1
-        self.keys = [mx.zeros((n, s.kv_heads, row_len, s.k_dim), s.dtype) for s in shapes]
-        self.values = [mx.zeros((n, s.kv_heads, row_len, s.v_dim), s.dtype) for s in shapes]
+        lens = [ring or row_len for ring in self.rings]
+        self.keys = [
+            mx.zeros((n, s.kv_heads, ln, s.k_dim), s.dtype)
+            for s, ln in zip(shapes, lens, strict=True)
+        ]
+        self.values = [
+            mx.zeros((n, s.kv_heads, ln, s.v_dim), s.dtype)
+            for s, ln in zip(shapes, lens, strict=True)
+        ]
         self.states = [
             [mx.zeros((n, *shape), dtype) for shape, dtype in st.arrays]
             for st in self.layout.states
@@ -260,8 +325,15 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        per_row = self.row_len * bytes_per_token(self.shapes) + self.layout.state_bytes_per_row
-        return (self.rows + 1) * per_row
+        kv = sum(k.nbytes + v.nbytes for k, v in self._pairs())
+        return kv + (self.rows + 1) * self.layout.state_bytes_per_row
+
+    @property
+    def ring_window(self) -> int | None:
+        """The widest window kept in a ring (None: no ring layer): a prefix hit needs its
+        last `ring_window` tokens present in the store for every ring layer."""
+        windows = [s.window for s, r in zip(self.shapes, self.rings, strict=True) if r]
+        return max(windows) if windows else None
 
     # -- allocation --------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -291,8 +363,33 @@ class KVPool:
         self.write_states(dst, states)
 
     def read_row(self, row: int, end: int) -> list[tuple[mx.array, mx.array]]:
-        sl = (slice(row, row + 1), slice(None), slice(0, end))
-        return [(mx.contiguous(k[sl]), mx.contiguous(v[sl])) for k, v in self._pairs()]
+        """The row's first `end` tokens per layer; a ring layer's slots as they are (at most
+        its ring), which `write_row` puts back at the same slots."""
+        out = []
+        for k, v in self._pairs():
+            sl = (slice(row, row + 1), slice(None), slice(0, min(end, k.shape[2])))
+            out.append((mx.contiguous(k[sl]), mx.contiguous(v[sl])))
+        return out
+
+    def load_prefix(self, row: int, kv: list[tuple[mx.array, mx.array]]) -> None:
+        """Write a cached prefix (every token of it, per layer) as positions `[0, n)` of a row;
+        a ring layer takes only the positions its ring holds."""
+        for i, (k, v) in enumerate(kv):
+            ring, n = self.rings[i], k.shape[2]
+            if ring is None or n <= ring:
+                self.keys[i][row : row + 1, :, :n] = k
+                self.values[i][row : row + 1, :, :n] = v
+                continue
+            idx = mx.array([p % ring for p in range(n - ring, n)], dtype=mx.int32)
+            self.keys[i][row : row + 1, :, idx] = k[:, :, n - ring :]
+            self.values[i][row : row + 1, :, idx] = v[:, :, n - ring :]
+
+    def positions(self, layer: int, start: int, end: int) -> slice | mx.array:
+        """Where positions `[start, end)` of a row sit in a layer's buffer."""
+        ring = self.rings[layer]
+        if ring is None or end <= ring:
+            return slice(start, end)
+        return mx.array([p % ring for p in range(start, end)], dtype=mx.int32)
 
     def write_row(self, row: int, kv: list[tuple[mx.array, mx.array]], start: int = 0) -> None:
         for i, (k, v) in enumerate(kv):
@@ -338,14 +435,26 @@ class KVPool:
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         view = self.view
-        self.keys[layer] = view.write(self.keys[layer], k)
-        self.values[layer] = view.write(self.values[layer], v)
-        n, window = k.shape[2], self.shapes[layer].window
-        return view.read(self.keys[layer], n, window), view.read(self.values[layer], n, window)
+        ring = self.rings[layer]
+        self.keys[layer] = view.write(self.keys[layer], k, ring)
+        self.values[layer] = view.write(self.values[layer], v, ring)
+        n, window, ring = k.shape[2], self.shapes[layer].window, self.rings[layer]
+        return (
+            view.read(self.keys[layer], n, window, ring),
+            view.read(self.values[layer], n, window, ring),
+        )
 
     def state(self) -> list[mx.array]:
         """Every buffer, for `mx.async_eval` alongside a step's outputs."""
         return [*self.keys, *self.values, *(a for layer in self.states for a in layer)]
+
+
+def ring_size(window: int | None, chunk: int | None, row_len: int) -> int | None:
+    """Slots of a window layer's ring, or None when the layer keeps the whole row."""
+    if window is None or chunk is None:
+        return None
+    ring = window + chunk - 1
+    return ring if ring < row_len else None
 
 
 class _ShapeProbe:

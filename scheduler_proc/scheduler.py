@@ -70,15 +70,18 @@ class Scheduler:
             # NOTE: a recurrent state is only exact at the position it was taken; without
             # snapshots a cached prefix cannot restore it (docs/models.md).
             log.info("prefix cache off: the model has recurrent state layers")
-        shapes = list(layout.kv)
-        self.pool = KVPool(shapes, self.kv_plan.rows, self.kv_plan.row_len, layout)
-        store = self.kv_plan.store_tokens
-        cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
-        self.prefix = PrefixReuse(cache, self.pool)
-        self.slots = SlotTable(self.pool)
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
+        shapes = list(layout.kv)
+        plan = self.kv_plan
+        self.pool = KVPool(shapes, plan.rows, plan.row_len, layout, chunk=self.chunk)
+        store = self.kv_plan.store_tokens
+        cache = None
+        if store > 0:
+            cache = PrefixCache(PrefixStore(shapes, store), window=self.pool.ring_window)
+        self.prefix = PrefixReuse(cache, self.pool)
+        self.slots = SlotTable(self.pool)
         self.ladders = Ladders.for_pool(self.pool.rows, self.pool.row_len, self.chunk, exact=on_cpu)
         self.runner = Runner(model, self.pool, self.vocab, self.ladders)
         self.eos = frozenset(eos_token_ids)

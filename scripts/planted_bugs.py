@@ -93,6 +93,18 @@ BUGS = (
         "start = 0",
     ),
     Bug(
+        "a window layer's ring mask shows slots never written (negative positions)",
+        "scheduler_proc/kv_cache.py",
+        "    visible = (p >= 0) & (p <= q) & (p > q - window)",
+        "    visible = (p <= q) & (p > q - window)",
+    ),
+    Bug(
+        "a prefix hit is not cut back to where its whole window is stored",
+        "scheduler_proc/prefix_cache.py",
+        "        if self.window is None:\n            return n\n",
+        "        return n\n",
+    ),
+    Bug(
         "recurrent state not zeroed when a request takes a row",
         "scheduler_proc/kv_cache.py",
         "        self.reset_states(row)\n",

@@ -142,3 +142,31 @@ def test_a_reused_row_starts_from_a_clean_state(family):
     reqs = [(f"long{i}", random_prompt(rng, 40 + i), 3 + 2 * i, 0) for i in range(3)]
     reqs += [(f"short{i}", random_prompt(rng, 1 + i % 3), 4, 20 + 3 * i) for i in range(6)]
     _check(model, reqs)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_window_layers_keep_a_ring_of_window_plus_chunk(name, tmp_path):
+    """A window layer's memory per row is bounded by its window (plus one chunk), not the row."""
+    model = tiny_model(make_random_model(tmp_path, TINY_FAMILIES[name]))
+    sched = make_scheduler(model, chunked_prefill_size=8)
+    lens = [k.shape[2] for k in sched.pool.keys]
+    assert sorted(lens) == [TINY_WINDOW + 8 - 1, sched.pool.row_len]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_a_prefix_hit_needs_its_whole_window(name, tmp_path):
+    """A cached prefix ending where the ring layers' tokens were no longer kept (they had left
+    the request's ring before it was saved) is cut back to where the whole window is stored."""
+    model = tiny_model(make_random_model(tmp_path, TINY_FAMILIES[name]))
+    rng = random.Random(5)
+    long = random_prompt(rng, 90)
+    reqs = [
+        ("long", long, 4, 0),
+        ("early", long[:40] + random_prompt(rng, 6), 5, 40),  # its window left long's ring
+        ("late", long + random_prompt(rng, 6), 5, 40),  # the whole prompt: window stored
+    ]
+    sched, outs, _ = _run(model, reqs)
+    for rid, prompt, max_tokens, _ in reqs:
+        assert tokens(outs[rid]) == reference_greedy(model, prompt, max_tokens), rid
+    assert outs["late"][-1].cached_tokens >= len(long) - 1
+    assert outs["early"][-1].cached_tokens < 40 - TINY_WINDOW
