@@ -57,6 +57,9 @@ class Scheduler:
         self.config = config
         layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
+        on_cpu = mx.default_device() == mx.cpu
+        self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
         self.kv_plan = plan_kv(
             config,
             bytes_per_token(layout.kv),
@@ -64,15 +67,14 @@ class Scheduler:
             weights_bytes(model),
             row_state_bytes=layout.state_bytes_per_row,
             prefix_cache_ok=not layout.states,
+            windows=[(bytes_per_token([s]), s.window) for s in layout.kv if s.window],
+            chunk=self.chunk,
         )
         log.info(self.kv_plan.describe())
         if layout.states and not config.disable_radix_cache:
             # NOTE: a recurrent state is only exact at the position it was taken; without
             # snapshots a cached prefix cannot restore it (docs/models.md).
             log.info("prefix cache off: the model has recurrent state layers")
-        # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
-        on_cpu = mx.default_device() == mx.cpu
-        self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
         shapes = list(layout.kv)
         plan = self.kv_plan
         self.pool = KVPool(shapes, plan.rows, plan.row_len, layout, chunk=self.chunk)

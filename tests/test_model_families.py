@@ -151,6 +151,12 @@ def test_window_layers_keep_a_ring_of_window_plus_chunk(name, tmp_path):
     sched = make_scheduler(model, chunked_prefill_size=8)
     lens = [k.shape[2] for k in sched.pool.keys]
     assert sorted(lens) == [TINY_WINDOW + 8 - 1, sched.pool.row_len]
+    # NOTE: the budget counts the rings, not full rows: what it plans is what is allocated.
+    plan = sched.kv_plan
+    assert plan.row_extra_tokens < 0
+    planned = (plan.rows + 1) * (plan.row_len + plan.row_extra_tokens) * plan.budget.bytes_per_token
+    # NOTE: rounded up to whole tokens per row
+    assert 0 <= planned - sched.pool.nbytes < (plan.rows + 1) * plan.budget.bytes_per_token
 
 
 @pytest.mark.parametrize("name", WINDOWED)
@@ -170,3 +176,15 @@ def test_a_prefix_hit_needs_its_whole_window(name, tmp_path):
         assert tokens(outs[rid]) == reference_greedy(model, prompt, max_tokens), rid
     assert outs["late"][-1].cached_tokens >= len(long) - 1
     assert outs["early"][-1].cached_tokens < 40 - TINY_WINDOW
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_greedy_parity_window_layers_without_a_ring(name, tmp_path):
+    """Rows too short for a ring to save anything (window + chunk - 1 >= row): window layers keep
+    the whole row and attend through the window mask; a lone decode row reads its last W keys."""
+    model = tiny_model(make_random_model(tmp_path, TINY_FAMILIES[name]))
+    rng = random.Random(6)
+    reqs = [(f"r{i}", random_prompt(rng, n), 60 - n, 3 * i) for i, n in enumerate([1, 9, 20, 33])]
+    reqs.append(("alone", random_prompt(rng, 30), 30, 200))  # NOTE: decodes as a lone row
+    sched = _check(model, reqs, context_length=64, chunked_prefill_size=64, max_prefill_tokens=64)
+    assert sched.pool.rings == [None] * len(sched.pool.rings)
