@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# NOTE: the model-family tests first: most bugs fail there within seconds (pytest -x).
 DEFAULT_TESTS = (
+    "tests/test_model_families.py",
     "tests/test_context_sensitive.py",
     "tests/test_scheduler_parity.py",
     "tests/test_prefix_cache_parity.py",
     "tests/test_scheduler_lifecycle.py",
-    "tests/test_model_families.py",
 )
 
 
@@ -117,9 +118,9 @@ BUGS = (
         "        if src == dst or length <= 0:\n            return\n",
     ),
     Bug(
-        "padded prefill chunks for a model with recurrent state",
+        "padded prefill chunks for a model whose state absorbs padding",
         "scheduler_proc/runner.py",
-        "self.uniform_prefill = bool(pool.layout.states)",
+        "self.uniform_prefill = not padding_keeps_state(model, pool.layout)",
         "self.uniform_prefill = False",
     ),
     Bug(

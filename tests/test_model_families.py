@@ -188,3 +188,10 @@ def test_greedy_parity_window_layers_without_a_ring(name, tmp_path):
     reqs.append(("alone", random_prompt(rng, 30), 30, 200))  # NOTE: decodes as a lone row
     sched = _check(model, reqs, context_length=64, chunked_prefill_size=64, max_prefill_tokens=64)
     assert sched.pool.rings == [None] * len(sched.pool.rings)
+
+
+def test_unpadded_prefill_only_where_padding_reaches_the_state(family):
+    """The start-up probe (`state_padding`): nemotron_h's Mamba scan takes no lengths, so its
+    prefill chunks run unpadded; every other family pads (its layers honour `cache.lengths`)."""
+    name, model = family
+    assert make_scheduler(model).runner.uniform_prefill == (name == "nemotron_h")
