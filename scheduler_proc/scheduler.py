@@ -443,9 +443,8 @@ def _uniform_chunks(
 ) -> list[tuple[Req, int]]:
     """Rows that all run the same number of tokens: the group that runs the most of them.
 
-    NOTE: for models with recurrent state layers. A padded position inside a row would reach
-    the row's state in some of mlx-lm's models (nemotron_h's Mamba scan takes no lengths), so
-    their prefill steps have no padding inside a row: every chunk of a step is equally long.
+    NOTE: for models whose recurrent state absorbs padding (`state_padding`: nemotron_h's Mamba
+    scan takes no lengths): their prefill steps have no padding inside a row.
     """
     groups: dict[int, list[Req]] = {}
     for req in todo:
