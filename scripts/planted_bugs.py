@@ -54,8 +54,8 @@ BUGS = (
     Bug(
         "single-row decode reads one key too few",
         "scheduler_proc/kv_cache.py",
-        "        end = self.offset + n\n",
-        "        end = self.offset + n - 1\n",
+        "        end = self.offset + n\n        if ring is not None:\n",
+        "        end = self.offset + n - 1\n        if ring is not None:\n",
     ),
     Bug(
         "KV written one position late",
@@ -72,7 +72,7 @@ BUGS = (
     Bug(
         "prefix KV not loaded into the row",
         "scheduler_proc/prefix_store.py",
-        "        pool.write_row(row, kv, 0)\n",
+        "        pool.load_prefix(row, kv)\n",
         "        pass\n",
     ),
     Bug(
