@@ -31,8 +31,11 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, store: PrefixStore) -> None:
+    def __init__(self, store: PrefixStore, window: int | None = None) -> None:
         self.store = store
+        # NOTE: with ring (sliding-window) layers a hit must end where the store holds its last
+        # `window` tokens for those layers too (`_whole_window`).
+        self.window = window
         self.tree = RadixCache()
         self.lookups = 0
         self.lookup_tokens = 0
@@ -41,10 +44,25 @@ class PrefixCache:
     def acquire(self, tokens: list[int], limit: int) -> Hit:
         m = self.tree.match_prefix(tokens[: max(0, limit)])
         self.tree.lock(m.node)
+        n = self._whole_window(m.slots)
         self.lookups += 1
         self.lookup_tokens += len(tokens)
-        self.hit_tokens += m.length
-        return Hit(m.length, m.slots, m.node)
+        self.hit_tokens += n
+        return Hit(n, m.slots[:n], m.node)
+
+    def _whole_window(self, slots: list[int]) -> int:
+        """The longest hit `n <= len(slots)` whose last `window` tokens are all stored for the
+        ring layers (every token, when the hit is shorter than the window)."""
+        n = len(slots)
+        if self.window is None:
+            return n
+        ok = self.store.window_ok
+        while n > 0:
+            bad = [i for i in range(max(0, n - self.window), n) if not ok[slots[i]]]
+            if not bad:
+                break
+            n = bad[-1]
+        return n
 
     def load(self, hit: Hit, pool: KVPool, row: int) -> None:
         self.store.load(pool, row, hit.slots)
@@ -82,7 +100,7 @@ class PrefixCache:
         if n <= 0:
             return 0
         slots = self.store.slots.alloc(n)
-        self.store.save(pool, row, m.length, slots)
+        self.store.save(pool, row, m.length, slots, len(tokens))
         self.tree.insert(tokens[: m.length + n], m.slots + slots)
         return n
 

@@ -56,6 +56,9 @@ class PrefixStore:
         self.values = [mx.zeros((1, s.kv_heads, size, s.v_dim), s.dtype) for s in shapes]
         mx.eval(self.keys, self.values)
         self.slots = SlotAllocator(size)
+        # NOTE: whether a slot holds its token's K/V for the ring (window) layers too: a row's
+        # ring keeps only its last positions, so older ones are stored for full layers only.
+        self.window_ok = bytearray(size)
 
     @property
     def nbytes(self) -> int:
@@ -68,17 +71,25 @@ class PrefixStore:
         idx = _index(slots)
         kv = [(k[:, :, idx], v[:, :, idx]) for k, v in zip(self.keys, self.values, strict=True)]
         mx.eval(kv)
-        pool.write_row(row, kv, 0)
+        pool.load_prefix(row, kv)
 
-    def save(self, pool: KVPool, row: int, start: int, slots: list[int]) -> None:
-        """Copy positions `[start, start + len(slots))` of a pool row into the store's `slots`."""
+    def save(
+        self, pool: KVPool, row: int, start: int, slots: list[int], row_end: int | None = None
+    ) -> None:
+        """Copy positions `[start, start + len(slots))` of a pool row, whose tokens end at
+        `row_end` (default: there), into the store's `slots`."""
         if not slots:
             return
         idx, end = _index(slots), start + len(slots)
+        row_end = end if row_end is None else row_end
         for i in range(len(self.shapes)):
-            src = (slice(row, row + 1), slice(None), slice(start, end))
+            src = (slice(row, row + 1), slice(None), pool.positions(i, start, end))
             self.keys[i][:, :, idx] = pool.keys[i][src]
             self.values[i][:, :, idx] = pool.values[i][src]
+        rings = [r for r in pool.rings if r is not None]
+        kept = row_end - min(rings) if rings else 0  # NOTE: first position every ring still holds
+        for p, slot in zip(range(start, end), slots, strict=True):
+            self.window_ok[slot] = p >= kept
         mx.eval(self.keys, self.values)
 
 

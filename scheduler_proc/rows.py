@@ -68,8 +68,11 @@ class RowTable:
             return
         ra, rb = self.reqs[a], self.reqs[b]
         kv_a, kv_b = self.pool.read_row(a, ra.kv_len), self.pool.read_row(b, rb.kv_len)
-        mx.eval(kv_a, kv_b)
+        st_a, st_b = self.pool.read_states(a), self.pool.read_states(b)
+        mx.eval(kv_a, kv_b, st_a, st_b)
         self.pool.write_row(b, kv_a)
         self.pool.write_row(a, kv_b)
+        self.pool.write_states(b, st_a)
+        self.pool.write_states(a, st_b)
         self.reqs[a], self.reqs[b] = rb, ra
         ra.row, rb.row = b, a

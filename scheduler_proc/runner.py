@@ -18,6 +18,7 @@ from scheduler_proc.kv_cache import KVPool, LayerCache, StepRows
 from scheduler_proc.request import Req
 from scheduler_proc.sampling import RowParams, Sampled, SamplerState, build_state, sample
 from scheduler_proc.shapes import Ladders
+from scheduler_proc.state_padding import padding_keeps_state
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,12 @@ def row_params(req: Req) -> RowParams:
 class Runner:
     def __init__(self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders) -> None:
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
+        # NOTE: when padding inside a row reaches a recurrent state (`state_padding`), a prefill
+        # step's chunks are all equally long and run unpadded (`scheduler._uniform_chunks`).
+        self.uniform_prefill = not padding_keeps_state(model, pool.layout)
+        if pool.layout.states:
+            how = "equal unpadded chunks" if self.uniform_prefill else "padded chunks"
+            log.info("recurrent state layers: prefill steps run %s", how)
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.shapes_warmed = 0  # of those, run by the warm-up
 
@@ -63,7 +70,8 @@ class Runner:
         NOTE: the logits are never evaluated, so the LM head (and the last layer's MLP) never
         runs: `mx.async_eval` asks only for the KV buffers.
         """
-        width = self.ladders.pad_width(max(c.end - c.start for c in chunks))
+        longest = max(c.end - c.start for c in chunks)
+        width = longest if self.uniform_prefill else self.ladders.pad_width(longest)
         n = self.ladders.pad_rows(len(chunks))
         pad = n - len(chunks)
         plan = StepRows(

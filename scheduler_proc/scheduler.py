@@ -57,18 +57,35 @@ COUNTERS = (
 class Scheduler:
     def __init__(self, config: EngineConfig, model: nn.Module, eos_token_ids: Iterable[int]):
         self.config = config
-        shapes, self.vocab = probe_model(model)
+        layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        self.kv_plan = plan_kv(config, bytes_per_token(shapes), max_pos, weights_bytes(model))
-        log.info(self.kv_plan.describe())
-        self.pool = KVPool(shapes, self.kv_plan.rows, self.kv_plan.row_len)
-        store = self.kv_plan.store_tokens
-        cache = PrefixCache(PrefixStore(shapes, store)) if store > 0 else None
-        self.prefix = PrefixReuse(cache, self.pool)
-        self.rows = RowTable(self.pool)
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
+        self.kv_plan = plan_kv(
+            config,
+            bytes_per_token(layout.kv),
+            max_pos,
+            weights_bytes(model),
+            row_state_bytes=layout.state_bytes_per_row,
+            prefix_cache_ok=not layout.states,
+            windows=[(bytes_per_token([s]), s.window) for s in layout.kv if s.window],
+            chunk=self.chunk,
+        )
+        log.info(self.kv_plan.describe())
+        if layout.states and not config.disable_radix_cache:
+            # NOTE: a recurrent state is only exact at the position it was taken; without
+            # snapshots a cached prefix cannot restore it (docs/models.md).
+            log.info("prefix cache off: the model has recurrent state layers")
+        shapes = list(layout.kv)
+        plan = self.kv_plan
+        self.pool = KVPool(shapes, plan.rows, plan.row_len, layout, chunk=self.chunk)
+        store = self.kv_plan.store_tokens
+        cache = None
+        if store > 0:
+            cache = PrefixCache(PrefixStore(shapes, store), window=self.pool.ring_window)
+        self.prefix = PrefixReuse(cache, self.pool)
+        self.rows = RowTable(self.pool)
         self.ladders = Ladders.for_pool(self.pool.rows, self.pool.row_len, self.chunk, exact=on_cpu)
         self.runner = Runner(model, self.pool, self.vocab, self.ladders)
         self.eos = frozenset(eos_token_ids)
@@ -299,6 +316,8 @@ class Scheduler:
         todo = [r for r in self.rows.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
+        if self.runner.uniform_prefill:
+            return self._chunks(_uniform_chunks(todo, self._natural_chunk, self.prefill_budget))
 
         def rows(width: int) -> list[Req]:
             return todo[: max(1, self.prefill_budget // width)]
@@ -307,9 +326,20 @@ class Scheduler:
             return sum(min(_body_left(r), width) for r in rows(width)), -width
 
         width = max(self.ladders.widths, key=tokens)
+        return self._chunks([(req, min(_body_left(req), width)) for req in rows(width)])
+
+    def _natural_chunk(self, req: Req) -> int:
+        """A row's chunk in a step without padding: the most it may run, down to a ladder width
+        (a bucketed shape) when there is one, else its whole rest."""
+        n = min(_body_left(req), self.chunk)
+        if self.ladders.exact:
+            return n
+        fits = [w for w in self.ladders.widths if w <= n]
+        return fits[-1] if fits else n
+
+    def _chunks(self, plan: list[tuple[Req, int]]) -> list[PromptSlice]:
         chunks = []
-        for req in rows(width):
-            n = min(_body_left(req), width)
+        for req, n in plan:
             chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
@@ -416,6 +446,25 @@ def _describe(batch: Batch) -> str:
         return f"prefill {len(batch.chunks)} chunks, {sum(c.end - c.start for c in batch.chunks)} tokens"
     kind = "chained" if batch.chained else "fresh"
     return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
+
+
+def _uniform_chunks(
+    todo: list[Req], natural: Callable[[Req], int], budget: int
+) -> list[tuple[Req, int]]:
+    """Rows that all run the same number of tokens: the group that runs the most of them.
+
+    NOTE: for models whose recurrent state absorbs padding (`state_padding`: nemotron_h's Mamba
+    scan takes no lengths): their prefill steps have no padding inside a row.
+    """
+    groups: dict[int, list[Req]] = {}
+    for req in todo:
+        groups.setdefault(natural(req), []).append(req)
+
+    def fit(n: int) -> int:  # NOTE: rows x width stays within --max-prefill-tokens
+        return max(1, budget // n)
+
+    n, reqs = max(groups.items(), key=lambda g: (g[0] * min(len(g[1]), fit(g[0])), g[0]))
+    return [(r, n) for r in reqs[: fit(n)]]
 
 
 def _body_left(req: Req) -> int:

@@ -24,7 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2-135M)")
-    p.add_argument("--random", choices=["llama-1b"], help="a random-weight bf16 model instead")
+    p.add_argument(
+        "--random",
+        choices=["llama-1b", "gemma3-small", "qwen3next-small"],
+        help="a random-weight model instead (engine.random_model.RANDOM_SHAPES)",
+    )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)

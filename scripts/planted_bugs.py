@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# NOTE: the model-family tests first: most bugs fail there within seconds (pytest -x).
 DEFAULT_TESTS = (
+    "tests/test_model_families.py",
     "tests/test_context_sensitive.py",
     "tests/test_scheduler_parity.py",
     "tests/test_prefix_cache_parity.py",
@@ -52,8 +54,8 @@ BUGS = (
     Bug(
         "single-row decode reads one key too few",
         "scheduler_proc/kv_cache.py",
-        "return buf[self.row : self.row + 1, :, : self.offset + n]",
-        "return buf[self.row : self.row + 1, :, : self.offset + n - 1]",
+        "        end = self.offset + n\n        if ring is not None:\n",
+        "        end = self.offset + n - 1\n        if ring is not None:\n",
     ),
     Bug(
         "KV written one position late",
@@ -70,14 +72,56 @@ BUGS = (
     Bug(
         "prefix KV not loaded into the row",
         "scheduler_proc/prefix_store.py",
-        "        pool.write_row(row, kv, 0)\n",
+        "        pool.load_prefix(row, kv)\n",
         "        pass\n",
     ),
     Bug(
         "row copy skipped when a row moves",
         "scheduler_proc/kv_cache.py",
-        "        if src == dst or length <= 0:\n            return\n",
+        "        if src == dst:\n            return\n",
         "        return\n",
+    ),
+    Bug(
+        "sliding-window layers attend to every key (window dropped from the ragged mask)",
+        "scheduler_proc/kv_cache.py",
+        "ragged_mask(self.offset, self._t, self.length, window_size)",
+        "ragged_mask(self.offset, self._t, self.length, None)",
+    ),
+    Bug(
+        "a lone decode row reads every key of a window layer",
+        "scheduler_proc/kv_cache.py",
+        "start = max(0, end - window) if window is not None and n == 1 else 0",
+        "start = 0",
+    ),
+    Bug(
+        "a window layer's ring mask shows slots never written (negative positions)",
+        "scheduler_proc/kv_cache.py",
+        "    visible = (p >= 0) & (p <= q) & (p > q - window)",
+        "    visible = (p <= q) & (p > q - window)",
+    ),
+    Bug(
+        "a prefix hit is not cut back to where its whole window is stored",
+        "scheduler_proc/prefix_cache.py",
+        "        if self.window is None:\n            return n\n",
+        "        return n\n",
+    ),
+    Bug(
+        "recurrent state not zeroed when a request takes a row",
+        "scheduler_proc/kv_cache.py",
+        "        self.reset_states(row)\n",
+        "",
+    ),
+    Bug(
+        "a moved row with no tokens yet leaves its recurrent state behind",
+        "scheduler_proc/kv_cache.py",
+        "        if src == dst:\n            return\n",
+        "        if src == dst or length <= 0:\n            return\n",
+    ),
+    Bug(
+        "padded prefill chunks for a model whose state absorbs padding",
+        "scheduler_proc/runner.py",
+        "self.uniform_prefill = not padding_keeps_state(model, pool.layout)",
+        "self.uniform_prefill = False",
     ),
     Bug(
         "prefill chunk starts at 0 instead of the cached length",

@@ -32,7 +32,7 @@ def timed(fn, steps: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--random", choices=["llama-1b"])
+    p.add_argument("--random", choices=["llama-1b", "gemma3-small", "qwen3next-small"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--steps", type=int, default=20)
@@ -54,7 +54,7 @@ def main() -> None:
     path = str(random_model_dir(args.random)) if args.random else args.model
     model, _ = load_for_scheduler(path, EngineConfig())
     b, n = args.batch, args.context
-    shapes, vocab = probe_model(model)
+    layout, vocab = probe_model(model)
     tokens = mx.zeros((b, 1), mx.int32)
 
     cache = make_prompt_cache(model)
@@ -66,7 +66,7 @@ def main() -> None:
         for c in cache:  # NOTE: stay at n tokens, so every call costs the same
             c.offset -= 1
 
-    pool = KVPool(shapes, b, n + 512)
+    pool = KVPool(list(layout.kv), b, n + 512, layout)
     lad = Ladders.for_pool(b, n + 512, 512)
     plan = StepRows(list(range(b)), [n] * b, [1] * b, width=1)
 

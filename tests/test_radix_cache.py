@@ -37,7 +37,9 @@ class FakeStore:
     def load(self, pool: FakePool, row: int, slots: list[int]) -> None:
         pool.rows[row][: len(slots)] = [self.data[s] for s in slots]
 
-    def save(self, pool: FakePool, row: int, start: int, slots: list[int]) -> None:
+    def save(
+        self, pool: FakePool, row: int, start: int, slots: list[int], row_end: int | None = None
+    ) -> None:
         for i, s in enumerate(slots):
             value = pool.rows[row][start + i]
             assert value is not None, "saved a position that was never computed"
