@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -51,7 +52,7 @@ def plan_kv(
     weights: int = 0,
     row_state_bytes: int = 0,
     prefix_cache_ok: bool = True,
-    windows: list[tuple[int, int]] = (),
+    windows: Sequence[tuple[int, int]] = (),
     chunk: int | None = None,
 ) -> KVPlan:
     """Rows for --max-running-requests first, then the store, all within the memory cap.

@@ -280,6 +280,10 @@ class StateCache:
         return self._pool.view.ssm_mask(N)
 
 
+# NOTE: what the model sees for one entry of its cache list (attention K/V or recurrent state).
+EntryCache = LayerCache | StateCache
+
+
 class KVPool:
     """Per-layer K/V buffers of `rows` rows of `row_len` tokens, rows in use kept compact."""
 
@@ -423,12 +427,12 @@ class KVPool:
         return zip(self.keys, self.values, strict=True)
 
     # -- forward views -----------------------------------------------------------------------
-    def row_view(self, row: int, start: int) -> list[LayerCache]:
+    def row_view(self, row: int, start: int) -> list[EntryCache]:
         """One row, tokens at `start:`, int offset (a single stream's step)."""
         self.view = _RowView(row, start)
         return self.layers
 
-    def ragged_view(self, plan: StepRows, kv_len: int) -> list[LayerCache]:
+    def ragged_view(self, plan: StepRows, kv_len: int) -> list[EntryCache]:
         """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row."""
         self.view = _RaggedView(plan, self.scratch, kv_len)
         return self.layers
@@ -523,7 +527,9 @@ def probe_model(model) -> tuple[Layout, int]:
         raise ModelError(f"unsupported cache types for the slot KV cache: {', '.join(names)}")
     logits = model(mx.array([[0]]), cache=probes)
     mx.eval(logits)
-    entries, kv, states = [], [], []
+    entries: list[tuple[str, int]] = []
+    kv: list[LayerShape] = []
+    states: list[StateShape] = []
     for p in probes:
         if isinstance(p, _ShapeProbe):
             if p.shape is None:

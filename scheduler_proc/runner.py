@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, PromptSlice
-from scheduler_proc.kv_cache import KVPool, LayerCache, StepRows
+from scheduler_proc.kv_cache import EntryCache, KVPool, StepRows
 from scheduler_proc.request import Req
 from scheduler_proc.sampling import RowParams, Sampled, SamplerState, build_state, sample
 from scheduler_proc.shapes import Ladders
@@ -105,7 +105,7 @@ class Runner:
             rows[r.row] = row_params(r)
         return build_state(rows, self.vocab)
 
-    def _decode_cache(self, batch: Batch, starts: list[int]) -> list[LayerCache]:
+    def _decode_cache(self, batch: Batch, starts: list[int]) -> list[EntryCache]:
         # NOTE: a lone row 0 takes mlx-lm's own single-stream path (int offset, slice write, no
         # mask): cheaper than the padded batch's scatter and mask.
         if len(starts) == 1:
@@ -116,7 +116,7 @@ class Runner:
         plan = StepRows(list(range(len(starts))), starts, lengths, width=1)
         return self.pool.ragged_view(plan, self.ladders.pad_decode_kv(max(starts) + 1))
 
-    def _forward(self, tokens: mx.array, cache: list[LayerCache]) -> mx.array:
+    def _forward(self, tokens: mx.array, cache: list[EntryCache]) -> mx.array:
         view = self.pool.view
         self.shapes_seen.add((*tokens.shape, getattr(view, "length", -1)))
         return self.model(tokens, cache=cache)
