@@ -21,7 +21,7 @@ from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, Chunk
-from scheduler_proc.kv_budget import plan_kv
+from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
 from scheduler_proc.output import StepOutput, TokenLogprob
 from scheduler_proc.prefix_cache import PrefixCache
@@ -53,11 +53,20 @@ COUNTERS = (
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model: nn.Module, eos_token_ids: Iterable[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        eos_token_ids: Iterable[int],
+        kv_agree: Callable[[KVPlan], KVPlan] | None = None,
+    ):
+        """`kv_agree`: tensor parallel, the plan every rank can hold (docs/distributed.md)."""
         self.config = config
         shapes, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         self.kv_plan = plan_kv(config, bytes_per_token(shapes), max_pos, weights_bytes(model))
+        if kv_agree is not None:
+            self.kv_plan = kv_agree(self.kv_plan)
         log.info(self.kv_plan.describe())
         self.pool = KVPool(shapes, self.kv_plan.rows, self.kv_plan.row_len)
         store = self.kv_plan.store_tokens
@@ -72,6 +81,8 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
+        # NOTE: False under tensor parallel: a failed step (a lost peer) must stop the engine.
+        self.contain_errors = True
         self._rng = random.Random(config.seed)
         self._waiting: deque[Req] = deque()
         self._reqs: dict[str, Req] = {}
@@ -110,6 +121,8 @@ class Scheduler:
             try:
                 self._step_overlap() if self.overlap else self._step_sync()
             except Exception as exc:  # NOTE: one bad step fails its requests, not the engine
+                if not self.contain_errors:
+                    raise
                 log.exception("step failed")
                 self._fail_in_flight(exc)
         return self._emit()
