@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -105,17 +106,15 @@ def topology(config: Any, run_dir: Path) -> Topology | None:
 
 def read_hostfile(path: str) -> tuple[tuple[str, ...], ...]:
     """MLX's ring hostfile: a JSON list, per rank, of its "ip:port" addresses."""
+    want = '(want a JSON list of each rank\'s ["ip:port"], e.g. [["10.0.0.1:5000"], ...])'
     try:
         data = json.loads(Path(path).read_text())
         hosts = tuple(tuple(str(a) for a in (h if isinstance(h, list) else [h])) for h in data)
-        for h in hosts:
-            for addr in h:
-                _, port = addr.rsplit(":", 1)
-                int(port)
     except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f'--tp-hostfile {path}: {e} (want e.g. [["10.0.0.1:5000"], ...])') from e
-    if len(hosts) < 2 or not all(hosts):
-        raise ValueError(f"--tp-hostfile {path}: want two or more ranks, each with an ip:port")
+        raise ValueError(f"--tp-hostfile {path}: {e} {want}") from e
+    bad = [a for h in hosts for a in h if not re.fullmatch(r"[^\s:]+:\d+", a)]
+    if bad or len(hosts) < 2 or not all(hosts):
+        raise ValueError(f"--tp-hostfile {path}: two or more ranks, each with an ip:port {want}")
     return hosts
 
 

@@ -49,6 +49,7 @@ FINGERPRINT_KEYS = (
     "running",
     "waiting",
     "kv_tokens_in_use",
+    "prefix_cache_hit_tokens",
 )
 
 
@@ -210,7 +211,7 @@ class ReplicatedLoop:
 
     def _fingerprint(self) -> int:
         stats = self.sched.stats()
-        values = [int(stats[k]) for k in FINGERPRINT_KEYS] + [self._tokens, len(self.live)]
+        values = [int(stats.get(k, 0)) for k in FINGERPRINT_KEYS] + [self._tokens, len(self.live)]
         return zlib.crc32(struct.pack(f"<{len(values)}q", *values))
 
     def _tell(self, msg: ToDetokenizer) -> None:
