@@ -250,8 +250,15 @@ class Launcher:
             if self.shutdown_reason is not None:
                 return self._graceful()
             dead = self._dead()
+            if dead and self._worker_done(dead):
+                log.info("rank %d: the engine stopped at rank 0", self.config.tp_rank)
+                return 0
             if dead:
                 return self._fail(dead)
+
+    def _worker_done(self, dead: list[str]) -> bool:
+        """A worker host whose rank exited 0: rank 0 sent Exit (its engine shut down)."""
+        return "tokenizer" not in self.procs and all(self.procs[n].exitcode == 0 for n in dead)
 
     def _dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if not p.is_alive()]

@@ -179,3 +179,31 @@ def test_heads_that_do_not_divide_are_refused(launch, tiny_model_dir, tmp_path):
         assert "do not divide by 3" in engine.log(), engine.log()[-3000:]
     finally:
         engine.stop()
+
+
+def test_multi_host_form_on_one_host(tiny_model_dir, tmp_path):
+    """Two launchers as on two hosts: rank 1 is a worker (no client sockets); rank 0 serves, and
+    its shutdown travels in the broadcast, so both exit 0."""
+    from engine_harness import free_port
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(f'[["127.0.0.1:{free_port()}"], ["127.0.0.1:{free_port()}"]]')
+    tp = ("--tp-hostfile", str(hostfile), *POOL)
+    worker = LaunchedEngine(tiny_model_dir, tmp_path / "rank1.log", *tp, "--tp-rank", "1")
+    root = LaunchedEngine(tiny_model_dir, tmp_path / "rank0.log", *tp)
+    try:
+        root.wait_ready()
+        assert "rank 1 ready: a worker" in worker.log()
+        assert "SDK endpoint" not in worker.log()
+        prompt = random_prompt(random.Random(3), 20)
+        want = single_process(tiny_model_dir, [("a", prompt, {"max_tokens": 8, "temperature": 0})])
+        with EngineClient(root.address) as c:
+            assert (
+                c.generate(input_ids=prompt, max_tokens=8, temperature=0.0).token_ids == want["a"]
+            )
+        root.signal(signal.SIGTERM)
+        assert root.wait(timeout=30) == 0, root.log()[-3000:]
+        assert worker.wait(timeout=10) == 0, worker.log()[-3000:]
+    finally:
+        root.stop()
+        worker.stop()
