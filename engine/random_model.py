@@ -53,17 +53,37 @@ LLAMA_3_2_1B: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# NOTE: the shape of Llama-3.1-8B (~16 GB in bf16), for tensor-parallel GPU benchmarks.
+LLAMA_3_1_8B: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-RANDOM_SHAPES = {"llama-1b": LLAMA_3_2_1B}
+RANDOM_SHAPES = {"llama-1b": LLAMA_3_2_1B, "llama-8b": LLAMA_3_1_8B}
 
 
-def random_model_dir(name: str) -> Path:
-    """A random-weight bf16 model of a named shape in a temporary directory."""
+def random_model_dir(name: str, tokenizer_from: Path | None = None) -> Path:
+    """A random-weight bf16 model of a named shape in a temporary directory (with a tokenizer's
+    files when `tokenizer_from` is given, so a launched engine can serve it)."""
     import tempfile
 
-    return make_random_model(Path(tempfile.mkdtemp()), RANDOM_SHAPES[name], dtype=mx.bfloat16)
+    out = Path(tempfile.mkdtemp())
+    return make_random_model(
+        out, RANDOM_SHAPES[name], tokenizer_from=tokenizer_from, dtype=mx.bfloat16
+    )
 
 
 def make_random_model(

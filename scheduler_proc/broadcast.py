@@ -43,6 +43,7 @@ class Broadcast:
         self._next = b""  # rank 0: the payload announced in the last frame
         self._len = 0  # payload bytes of the coming frame, agreed by the last one
         self._frame: mx.array | None = None
+        self.bytes_sent = 0  # frames' payload bytes, padding included
 
     def post(self, cmd: RankCommand) -> None:
         """Rank 0: send `cmd` to every rank (applied by all at the same iteration)."""
@@ -65,6 +66,7 @@ class Broadcast:
         buf[self.rank * HEADER.size : (self.rank + 1) * HEADER.size] = HEADER.pack(
             step, fingerprint, announce
         )
+        self.bytes_sent += self._len
         words = np.frombuffer(bytes(buf), dtype=np.int32)
         self._frame = mx.distributed.all_sum(mx.array(words), group=self.group)
         mx.async_eval(self._frame)

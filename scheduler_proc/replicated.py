@@ -89,6 +89,7 @@ class ReplicatedLoop:
         self.exit_posted = False
         self.iteration = 0
         self._tokens = 0  # crc of every token emitted, part of the fingerprint
+        self._wait_s = 0.0  # time blocked on frames after the step: what the broadcast costs
         self._last_tick = 0.0
 
     def run(self) -> None:
@@ -116,7 +117,10 @@ class ReplicatedLoop:
         self.bcast.start(self.iteration, self._fingerprint())
         if self.sched.has_work():
             self._send(self.sched.step())
-        return self._apply(self.bcast.finish())
+        t0 = time.perf_counter()
+        cmds = self.bcast.finish()
+        self._wait_s += time.perf_counter() - t0
+        return self._apply(cmds)
 
     # -- rank 0: inbox and time --------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -134,10 +138,19 @@ class ReplicatedLoop:
             return
         for msg in [first, *inbox.drain()]:
             if isinstance(msg, StatsQuery):  # NOTE: reads state only: answered here, not sent
-                stats = {k: float(v) for k, v in self.sched.stats().items()}
-                self._tell(SchedulerStats(msg.rid, stats))
+                self._tell(SchedulerStats(msg.rid, self._stats()))
             elif msg is not None:
                 self.bcast.post(msg)
+
+    def _stats(self) -> dict[str, float]:
+        stats = {k: float(v) for k, v in self.sched.stats().items()}
+        stats |= {
+            "tp_size": float(self.bcast.size),
+            "tp_iterations": float(self.iteration),
+            "tp_broadcast_wait_s": round(self._wait_s, 6),
+            "tp_broadcast_bytes": float(self.bcast.bytes_sent),
+        }
+        return stats
 
     def _decide(self) -> None:
         """What depends on rank 0's clock becomes a command: aborts after the grace, exit."""
