@@ -39,6 +39,7 @@ def create_rank(
     dog = Watchdog(name)
     with dog.phase("joining the group", config.tp_init_timeout):
         group = distributed.join_group(plan)
+        check_same_options(group, config)
     config = _share_host(config, plan)
     model_dir = resolve_model_dir(config.model)
     model, eos = load_for_scheduler(str(model_dir), config)
@@ -51,6 +52,37 @@ def create_rank(
     loop = ReplicatedLoop(scheduler, group, dog, config.tp_step_timeout, links, orphaned)
     facts = scheduler_facts(model_dir, scheduler) if plan.rank == 0 else {}
     return loop, {**facts, "tp_rank": plan.rank, "tp_size": plan.size}
+
+
+# NOTE: options every rank's scheduler must share, or the ranks would schedule different steps
+# (on several hosts each launcher has its own command line).
+SCHEDULER_OPTIONS = (
+    "max_running_requests",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "max_total_tokens",
+    "context_length",
+    "max_queued_requests",
+    "disable_overlap",
+    "disable_radix_cache",
+    "warmup",
+    "seed",
+)
+
+
+def check_same_options(group: Any, config: EngineConfig) -> None:
+    """Refuse to start when a rank's scheduler options differ from another's."""
+    import zlib
+
+    from engine.distributed import agree_min
+
+    text = repr([(k, getattr(config, k)) for k in SCHEDULER_OPTIONS]).encode()
+    mine = zlib.crc32(text)
+    if agree_min(group, [mine, -mine]) != [mine, -mine]:
+        raise ValueError(
+            "the ranks were started with different scheduler options; give every host the "
+            f"same {', '.join('--' + k.replace('_', '-') for k in SCHEDULER_OPTIONS)}"
+        )
 
 
 def agree_kv_plan(group: Any, plan: Any) -> Any:

@@ -48,7 +48,8 @@ TWO_RANKS = textwrap.dedent(
     RankPlan(rank, hosts, hostfile, "ring", 2, None).enter()
     from engine.messages.to_scheduler import Abort
     from scheduler_proc.broadcast import Broadcast, Diverged
-    bcast = Broadcast(join_group(RankPlan(rank, hosts, hostfile, "ring", 2, None)))
+    group = join_group(RankPlan(rank, hosts, hostfile, "ring", 2, None))
+    bcast = Broadcast(group)
     if rank == 0:
         bcast.post(Abort("x"))
     got = []
@@ -61,11 +62,18 @@ TWO_RANKS = textwrap.dedent(
         bcast.finish()
     except Diverged as e:
         print("DIVERGED", e, flush=True)
+    from engine.config import EngineConfig
+    from scheduler_proc.rank import check_same_options
+    check_same_options(group, EngineConfig(seed=5))
+    try:
+        check_same_options(group, EngineConfig(seed=rank))
+    except ValueError as e:
+        print("OPTIONS", e, flush=True)
     """
 )
 
 
-def test_two_ring_ranks_share_the_inbox_and_catch_divergence(tmp_path: Path):
+def test_two_ring_ranks_share_the_inbox_and_catch_divergence_and_option_drift(tmp_path: Path):
     from engine_harness import free_port
 
     ports = [str(free_port()), str(free_port())]
@@ -90,6 +98,7 @@ def test_two_ring_ranks_share_the_inbox_and_catch_divergence(tmp_path: Path):
     for out in outs:
         assert "GOT ['x']" in out, out
         assert "DIVERGED rank 1 is at step 3 with state 0x" in out, out
+        assert out.count("OPTIONS the ranks were started with different") == 1, out
 
 
 def test_heads_must_divide_by_the_ranks(tiny_weights_dir):
