@@ -198,8 +198,13 @@ def check_shardable(model: Any, size: int) -> None:
 
 
 def shard(model: Any, group: Any) -> None:
+    """mlx-lm's `shard()`, evaluated at once: the shards are copies, so the full weights are
+    freed here, before the KV budget reads the device's free memory."""
+    import mlx.core as mx
+
     check_shardable(model, group.size())
     model.shard(group)
+    mx.eval(model.parameters())
 
 
 def agree_min(group: Any, values: Sequence[int]) -> list[int]:
