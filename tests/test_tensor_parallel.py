@@ -207,3 +207,23 @@ def test_multi_host_form_on_one_host(tiny_model_dir, tmp_path):
     finally:
         root.stop()
         worker.stop()
+
+
+def test_bench_tp_runs_on_the_cpu(tmp_path):
+    """scripts/bench_tp.py end to end at a toy size: the GPU run must not be its first run."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "tp.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_tp.py"
+    cmd = [sys.executable, str(script), "--random", "tiny", "--tp", "2"]
+    cmd += ["--concurrency", "2", "--requests", "2", "--prompt-len", "8", "--max-tokens", "4"]
+    cmd += ["--launch-args", " ".join(POOL), "--out", str(out), "--log-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=115)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for key in ("engine_tp1", "engine_tp2", "mlx_lm_tp1", "mlx_lm_tp2"):
+        assert figures[key]["2"]["tok_s"] > 0, figures
+    assert figures["engine_tp2"]["2"]["iterations"] > 0
+    assert "| 2 |" in done.stdout
