@@ -29,6 +29,7 @@ EXIT_STALLED = 3  # the watchdog: no step (or no group) within its deadline
 EXIT_FATAL = 4  # a collective failed or the ranks diverged
 
 WATCH_POLL_S = 0.2
+JOIN_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,15 @@ def join_group(plan: RankPlan) -> Any:
     import mlx.core as mx
 
     backend = resolve_backend(plan.backend)
-    group = mx.distributed.init(strict=True, backend=backend)
+    while True:
+        try:
+            group = mx.distributed.init(strict=True, backend=backend)
+            break
+        except RuntimeError as e:
+            # NOTE: a peer not listening yet or a port still held from a previous run; the
+            # caller's watchdog bounds the retries.
+            log.warning("rank %d: joining the group failed (%s); retrying", plan.rank, e)
+            time.sleep(JOIN_RETRY_S)
     if group.size() != plan.size or group.rank() != plan.rank:
         raise RuntimeError(f"group is rank {group.rank()} of {group.size()}, want {plan.rank}")
     log.info("rank %d of %d joined (%s)", plan.rank, plan.size, backend)
