@@ -9,6 +9,7 @@ NOTE: the launcher imports this module, so nothing here imports MLX at module le
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -25,10 +26,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 # NOTE: exit codes of a rank that gave up, so a log reader (and a test) can tell why.
-EXIT_STALLED = 3  # the watchdog: no step (or no group) within its deadline
+EXIT_STALLED = 3  # the watchdog: no step (or no group) within its deadline (1: its backstop)
 EXIT_FATAL = 4  # a collective failed or the ranks diverged
 
 WATCH_POLL_S = 0.2
+BACKSTOP_S = 2.0
+REARM_S = 1.0
 JOIN_RETRY_S = 1.0
 
 
@@ -228,33 +231,46 @@ def agree_min(group: Any, values: Sequence[int]) -> list[int]:
 
 
 class Watchdog:
-    """Ends this process (EXIT_STALLED) when a phase outlives its deadline without a beat.
+    """Ends this process when a phase outlives its deadline without a beat.
 
     NOTE: the only way out of a collective that never completes (a peer alive but stalled):
-    MLX cannot cancel it, and the launcher then sees the rank die and stops the engine.
+    MLX cannot cancel it, and the launcher then sees the rank die and stops the engine. A Python
+    thread says what timed out and exits EXIT_STALLED; a call that holds the GIL while it blocks
+    (`mx.distributed.init` does) starves that thread, so faulthandler's C timer backs it up
+    BACKSTOP_S later (it dumps every thread's stack and exits 1). Re-arming that timer costs
+    ~90 us, so beats re-arm it at most every REARM_S.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._what = ""
         self._timeout = 0.0
-        self._last = time.monotonic()
+        self._last = self._armed_at = time.monotonic()
         self._armed = False
         threading.Thread(target=self._watch, name="watchdog", daemon=True).start()
 
     def arm(self, what: str, timeout: float) -> None:
         self._what, self._timeout = what, timeout
-        self.beat()
+        log.info("%s: %s, deadline %.1fs", self.name, what, timeout)
         self._armed = True
+        self._backstop()
+        self.beat()
 
     def disarm(self) -> None:
         self._armed = False
+        faulthandler.cancel_dump_traceback_later()
 
     def beat(self) -> None:
-        self._last = time.monotonic()
+        self._last = now = time.monotonic()
+        if self._armed and now - self._armed_at > REARM_S:
+            self._backstop()
 
     def phase(self, what: str, timeout: float) -> _Phase:
         return _Phase(self, what, timeout)
+
+    def _backstop(self) -> None:
+        faulthandler.dump_traceback_later(self._timeout + BACKSTOP_S, exit=True)
+        self._armed_at = time.monotonic()
 
     def _watch(self) -> None:
         while True:

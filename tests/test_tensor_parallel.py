@@ -227,3 +227,20 @@ def test_bench_tp_runs_on_the_cpu(tmp_path):
         assert figures[key]["2"]["tok_s"] > 0, figures
     assert figures["engine_tp2"]["2"]["iterations"] > 0
     assert "| 2 |" in done.stdout
+
+
+def test_a_missing_rank_fails_the_start_within_the_init_deadline(tiny_model_dir, tmp_path):
+    from engine_harness import free_port
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(f'[["127.0.0.1:{free_port()}"], ["127.0.0.1:{free_port()}"]]')
+    tp = ("--tp-hostfile", str(hostfile), "--tp-init-timeout", "3", *POOL)
+    root = LaunchedEngine(tiny_model_dir, tmp_path / "alone.log", *tp)
+    try:
+        assert root.wait(timeout=60) != 0
+        # NOTE: init holds the GIL while it waits: faulthandler's timer ends it (exit 1).
+        assert "joining the group, deadline 3.0s" in root.log(), root.log()[-3000:]
+        assert "Timeout (0:00:05)!" in root.log(), root.log()[-3000:]
+        assert "scheduler exited with code 1 before it was ready" in root.log()
+    finally:
+        root.stop()
