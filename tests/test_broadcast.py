@@ -69,11 +69,18 @@ TWO_RANKS = textwrap.dedent(
         check_same_options(group, EngineConfig(seed=rank))
     except ValueError as e:
         print("OPTIONS", e, flush=True)
+    from scheduler_proc.kv_budget import plan_kv
+    from scheduler_proc.rank import agree_kv_plan
+    tokens = 16384 if rank == 0 else 5632
+    kv = EngineConfig(max_total_tokens=tokens, context_length=1024, max_running_requests=8)
+    mine = plan_kv(kv, 64, None)
+    agreed = agree_kv_plan(group, mine)
+    print("KV", mine.rows, agreed.rows, agreed.row_len, agreed.store_tokens, flush=True)
     """
 )
 
 
-def test_two_ring_ranks_share_the_inbox_and_catch_divergence_and_option_drift(tmp_path: Path):
+def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(tmp_path: Path):
     from engine_harness import free_port
 
     ports = [str(free_port()), str(free_port())]
@@ -99,6 +106,9 @@ def test_two_ring_ranks_share_the_inbox_and_catch_divergence_and_option_drift(tm
         assert "GOT ['x']" in out, out
         assert "DIVERGED rank 1 is at step 3 with state 0x" in out, out
         assert out.count("OPTIONS the ranks were started with different") == 1, out
+    # NOTE: rank 0 could hold 8 rows and a 1024-token store, rank 1 only 4 and 512: both allocate
+    # rank 1's plan.
+    assert "KV 8 4 1024 512" in outs[0] and "KV 4 4 1024 512" in outs[1], outs
 
 
 def test_heads_must_divide_by_the_ranks(tiny_weights_dir):
