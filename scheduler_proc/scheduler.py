@@ -8,6 +8,7 @@ finish, an abort, a prefill to run, or shutdown. Rows (KV) move only while nothi
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -95,7 +96,9 @@ class Scheduler:
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefill_last = False  # the last fresh step was a prefill step
-        self.warm_up_s = self._warm_up()
+        # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
+        # different shapes would run different collectives; their start-up watchdog bounds it.
+        self.warm_up_s = self._warm_up(WARM_UP_DEADLINE_S if kv_agree is None else math.inf)
 
     # -- public interface --------------------------------------------------------------------
     def submit(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
@@ -163,7 +166,7 @@ class Scheduler:
         self._settle()
         mx.synchronize()
 
-    def _warm_up(self) -> float:
+    def _warm_up(self, deadline_s: float) -> float:
         """Run the step shapes once before serving; returns the seconds taken.
 
         NOTE: on a GPU every bucketed shape (each compiles); on the CPU ("auto") one small
@@ -175,7 +178,7 @@ class Scheduler:
             return 0.0
         minimal = mode == "auto" and self.ladders.exact
         budget = self.prefill_budget
-        n, seconds = self.runner.warm_up(budget, WARM_UP_DEADLINE_S, minimal=minimal)
+        n, seconds = self.runner.warm_up(budget, deadline_s, minimal=minimal)
         log.info("warm-up: %d step shapes in %.1f s", n, seconds)
         return seconds
 
