@@ -244,3 +244,36 @@ def test_a_missing_rank_fails_the_start_within_the_init_deadline(tiny_model_dir,
         assert "scheduler exited with code 1 before it was ready" in root.log()
     finally:
         root.stop()
+
+
+def test_a_rank_lost_on_another_host_stops_the_engine(tiny_model_dir, tmp_path):
+    """No launcher sees that rank die: rank 0's next collective fails, and that is fatal."""
+    from engine_harness import free_port
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(f'[["127.0.0.1:{free_port()}"], ["127.0.0.1:{free_port()}"]]')
+    tp = ("--tp-hostfile", str(hostfile), *POOL)
+    worker = LaunchedEngine(tiny_model_dir, tmp_path / "rank1.log", *tp, "--tp-rank", "1")
+    root = LaunchedEngine(tiny_model_dir, tmp_path / "rank0.log", *tp)
+    try:
+        root.wait_ready()
+        streams = Streams(root.address, 2)
+        t0 = time.monotonic()
+        kill_quietly(rank_pids(worker)["scheduler-1"])
+        code = root.wait(timeout=20)
+        took = time.monotonic() - t0
+        streams.join(15)
+        assert code != 0 and took < 10, (code, took)
+        assert "rank 0: fatal error" in root.log(), root.log()[-3000:]
+        assert all(isinstance(end, EngineDead) for end in streams.ends), streams.ends
+        assert worker.wait(timeout=10) != 0
+    finally:
+        root.stop()
+        worker.stop()
+
+
+def test_ranks_exit_when_the_launcher_dies(launch):
+    engine = launch(*TP2)
+    ranks = list(rank_pids(engine).values())
+    kill_quietly(engine.proc.pid)
+    assert wait_gone(ranks + list(engine.child_pids().values()), 10) == [], "a rank kept running"
