@@ -87,10 +87,19 @@ def single_process(model_dir: Path, reqs: list[tuple[str, list[int], dict]]) -> 
     return {rid: [t for o in outs[rid] for t in o.token_ids] for rid, _, _ in reqs}
 
 
-def test_tp2_tokens_equal_a_single_process(launch, tiny_model_dir):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tp2_tokens_equal_a_single_process(family, tiny_model_dir, tiny_qwen3_dir, tmp_path):
+    model_dir = tiny_model_dir if family == "llama" else tiny_qwen3_dir
     reqs = workload()
-    want = single_process(tiny_model_dir, reqs)
-    engine = launch(*TP2)
+    want = single_process(model_dir, reqs)
+    engine = LaunchedEngine(model_dir, tmp_path / "tp.log", *TP2)
+    try:
+        check_parity(engine.wait_ready(), reqs, want)
+    finally:
+        engine.stop()
+
+
+def check_parity(engine: LaunchedEngine, reqs: list, want: dict[str, list[int]]) -> None:
     with EngineClient(engine.address) as c:
         got = serve(engine.address, reqs)
         stats = c.stats()
