@@ -44,7 +44,7 @@ class RankPlan:
     hostfile: str  # a file holding `hosts` as JSON, for MLX_HOSTFILE
     backend: str  # ring, nccl or auto
     local_ranks: int  # ranks on this host (they share its CPU and memory)
-    gpu: int | None  # the local GPU of this rank on one host; None: leave the device alone
+    gpu: int | None  # the one GPU this rank sees (CUDA_VISIBLE_DEVICES); None: leave it alone
 
     @property
     def size(self) -> int:
@@ -83,8 +83,11 @@ class Topology:
         return len(self.hosts)
 
     def plan(self, rank: int) -> RankPlan:
+        # NOTE: one GPU visible per rank: MLX's NCCL group picks device `rank % visible`, which
+        # must be the device MLX itself uses (the first visible one). A host of several ranks
+        # gives each its own; a worker host (one rank) its first GPU.
         one_host = len(self.local) == self.size
-        gpu = _local_gpu(rank) if one_host else None
+        gpu = _local_gpu(rank if one_host else 0)
         return RankPlan(rank, self.hosts, self.hostfile, self.backend, len(self.local), gpu)
 
 

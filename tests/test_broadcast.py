@@ -120,18 +120,21 @@ def test_heads_must_divide_by_the_ranks(tiny_weights_dir):
         check_shardable(model, 3)
 
 
-def test_topology_one_host_and_hostfile(tmp_path: Path):
+def test_topology_one_host_and_hostfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from engine.config import EngineConfig
 
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     one = topology(EngineConfig(tp=2), tmp_path)
     assert isinstance(one, Topology) and one.local == (0, 1)
     assert read_hostfile(one.hostfile) == one.hosts
     assert one.plan(1).env()["MLX_RANK"] == "1"
+    assert one.plan(1).env()["CUDA_VISIBLE_DEVICES"] == "1"
     assert topology(EngineConfig(), tmp_path) is None
     hostfile = tmp_path / "h.json"
     hostfile.write_text('[["10.0.0.1:5000"], ["10.0.0.2:5000"]]')
     multi = topology(EngineConfig(tp_hostfile=str(hostfile), tp_rank=1), tmp_path)
-    assert multi is not None and multi.local == (1,) and multi.plan(1).gpu is None
+    assert multi is not None and multi.local == (1,)
+    assert multi.plan(1).env()["CUDA_VISIBLE_DEVICES"] == "0"  # NOTE: its host's first GPU
     assert multi.plan(1).env()["NCCL_HOST_IP"] == "10.0.0.1"
     hostfile.write_text('["10.0.0.1"]')
     with pytest.raises(ValueError, match="ip:port"):
