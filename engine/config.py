@@ -88,7 +88,9 @@ class EngineConfig:
         "auto", "MLX distributed backend: auto (nccl on CUDA, else ring), ring, nccl"
     )
     tp_step_timeout: float = _opt(
-        60.0, "Seconds a tensor-parallel rank may go without a step before the engine stops"
+        20.0,
+        "Seconds a tensor-parallel rank may go without a step before the engine stops (longer "
+        "than the longest step)",
     )
     tp_init_timeout: float = _opt(60.0, "Seconds the tensor-parallel group may take to form")
 

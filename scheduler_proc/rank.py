@@ -7,7 +7,9 @@ projections split, `n_kv_heads // N` per rank, so each rank's KV pool holds its 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
+import signal
 import threading
 from typing import Any
 
@@ -37,6 +39,8 @@ def create_rank(
     from scheduler_proc.replicated import ReplicatedLoop, RootLinks
     from scheduler_proc.scheduler import Scheduler
 
+    # NOTE: `kill -USR1 <rank pid>` prints where every thread of a rank is (a stuck collective).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     dog = Watchdog(name)
     with dog.phase("joining the group", config.tp_init_timeout):
         group = distributed.join_group(plan)

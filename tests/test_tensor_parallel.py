@@ -261,7 +261,9 @@ def test_a_rank_lost_on_another_host_stops_the_engine(tiny_model_dir, tmp_path):
 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(f'[["127.0.0.1:{free_port()}"], ["127.0.0.1:{free_port()}"]]')
-    tp = ("--tp-hostfile", str(hostfile), *POOL)
+    # NOTE: MLX's ring mostly fails rank 0's next collective (~0.1 s), but now and then leaves it
+    # hanging (1 of 12 tries here): then the step watchdog ends it.
+    tp = ("--tp-hostfile", str(hostfile), "--tp-step-timeout", "5", *POOL)
     worker = LaunchedEngine(tiny_model_dir, tmp_path / "rank1.log", *tp, "--tp-rank", "1")
     root = LaunchedEngine(tiny_model_dir, tmp_path / "rank0.log", *tp)
     try:
@@ -272,8 +274,8 @@ def test_a_rank_lost_on_another_host_stops_the_engine(tiny_model_dir, tmp_path):
         code = root.wait(timeout=20)
         took = time.monotonic() - t0
         streams.join(15)
-        assert code != 0 and took < 10, (code, took)
-        assert "rank 0: fatal error" in root.log(), root.log()[-3000:]
+        assert code != 0 and took < 15, (code, took)
+        assert "rank 0: fatal error" in root.log() or "took over 5.0s" in root.log()
         assert all(isinstance(end, EngineDead) for end in streams.ends), streams.ends
         assert worker.wait(timeout=10) != 0
     finally:
