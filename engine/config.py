@@ -77,6 +77,26 @@ class EngineConfig:
     seed: int = _opt(0, "Seed of the engine's default random state")
     log_level: str = _opt("info", "Log level: debug, info, warning, error")
     startup_timeout: float = _opt(300.0, "Seconds each engine process may take to become ready")
+    tp: int = _opt(
+        1,
+        "Tensor-parallel ranks on this host (N GPUs, or N CPU processes); see docs/distributed.md",
+    )
+    tp_hostfile: str | None = _opt(
+        None,
+        'Multi-host tensor parallel: JSON list of each rank\'s ["ip:port"] (MLX ring hostfile)',
+    )
+    tp_rank: int = _opt(
+        0, "Multi-host: this host's rank; 0 serves clients, others run a scheduler worker only"
+    )
+    tp_backend: str = _opt(
+        "auto", "MLX distributed backend: auto (nccl on CUDA, else ring), ring, nccl"
+    )
+    tp_step_timeout: float = _opt(
+        20.0,
+        "Seconds a tensor-parallel rank may go without a step before the engine stops (longer "
+        "than the longest step)",
+    )
+    tp_init_timeout: float = _opt(60.0, "Seconds the tensor-parallel group may take to form")
 
     def validate(self) -> EngineConfig:
         # NOTE: max_queued_requests 0 would refuse every request as Overloaded.
@@ -124,6 +144,14 @@ class EngineConfig:
                 f"--host {self.host} accepts clients from other machines: set --api-key (or "
                 "MLX_ENGINE_API_KEY) so they must present a key, or bind 127.0.0.1"
             )
+        if self.tp < 1 or self.tp_rank < 0:
+            raise ValueError(f"tp must be >= 1 and tp_rank >= 0, got {self.tp}, {self.tp_rank}")
+        if self.tp_rank > 0 and not self.tp_hostfile:
+            raise ValueError("--tp-rank needs --tp-hostfile (the ranks of every host)")
+        if self.tp_backend not in ("auto", "ring", "nccl"):
+            raise ValueError(f"tp_backend must be auto, ring or nccl, got {self.tp_backend}")
+        if self.tp_step_timeout <= 0 or self.tp_init_timeout <= 0:
+            raise ValueError("tp_step_timeout and tp_init_timeout must be > 0")
         if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self

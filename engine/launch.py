@@ -53,7 +53,7 @@ def run_engine(config: EngineConfig) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s launcher[%(process)d] %(levelname)s %(message)s",
     )
-    busy = _port_in_use(config.host, config.zmq_port)
+    busy = None if config.tp_rank > 0 else _port_in_use(config.host, config.zmq_port)
     if busy:
         # NOTE: before anything starts: a busy port must not cost a model load (minutes for a
         # large model) to be found out.
@@ -112,14 +112,15 @@ def _private_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def spawn(name: str, *args: Any) -> BaseProcess:
+def spawn(name: str, *args: Any, label: str | None = None) -> BaseProcess:
     """The one place a child starts (spawn context: portable, and nothing of MLX is inherited).
 
     NOTE: a child that needs its own environment (LD_PRELOAD of a faster BLAS for the scheduler)
-    gets it here: `os.environ` is copied into the child when it starts.
+    gets it here: `os.environ` is copied into the child when it starts. `label` names one of
+    several children of a kind (tensor-parallel ranks).
     """
     process = mp.get_context("spawn").Process(
-        target=_entry, args=(TARGETS[name], *args), name=f"mlx-engine-{name}"
+        target=_entry, args=(TARGETS[name], *args), name=f"mlx-engine-{label or name}"
     )
     process.start()
     return process
@@ -134,6 +135,7 @@ def _entry(target: str, *args: Any) -> None:
 class Launcher:
     def __init__(self, config: EngineConfig, run_dir: Path) -> None:
         self.config = config
+        self.run_dir = run_dir
         self.endpoints = Endpoints.create(config, run_dir)
         self.ctx = zmq.Context()
         self.inbox: PullQueue[ToLauncher] = PullQueue(self.ctx, self.endpoints.launcher, ToLauncher)
@@ -146,6 +148,11 @@ class Launcher:
         try:
             if not self._start():
                 return 1
+            if "tokenizer" not in self.procs:
+                log.info(
+                    "rank %d ready: a worker of the engine served by rank 0", self.config.tp_rank
+                )
+                return self._watch()
             http = f"http://{self.config.host}:{self.config.port}"
             log.info("engine ready: SDK endpoint %s, HTTP API %s", self.endpoints.client, http)
             return self._watch()
@@ -166,16 +173,49 @@ class Launcher:
     # --- start ----------------------------------------------------------------------------------
 
     def _start(self) -> bool:
-        """Scheduler first (its READY carries the model dir and limits), then the other two."""
+        """Scheduler first (its READY carries the model dir and limits), then the other two.
+
+        Tensor parallel: every local rank of the scheduler; a launcher without rank 0 (a worker
+        host) starts nothing else.
+        """
         pid = os.getpid()
-        self.procs["scheduler"] = spawn("scheduler", self.config, self.endpoints, pid)
-        facts = self._await_ready({"scheduler"})
+        ranks = self._spawn_schedulers(pid)
+        if ranks is None:
+            return False
+        facts = self._await_ready(ranks)
         if facts is None:
             return False
+        if "scheduler" not in facts:
+            return True
         sched = facts["scheduler"]
         self.procs["detokenizer"] = spawn("detokenizer", self.config, self.endpoints, pid, sched)
         self.procs["tokenizer"] = spawn("tokenizer", self.config, self.endpoints, pid, sched)
         return self._await_ready({"detokenizer", "tokenizer"}) is not None
+
+    def _spawn_schedulers(self, pid: int) -> set[str] | None:
+        from engine.distributed import topology
+
+        try:
+            topo = topology(self.config, self.run_dir)
+        except ValueError as e:
+            log.error("%s", e)
+            return None
+        if topo is None:
+            self.procs["scheduler"] = spawn("scheduler", self.config, self.endpoints, pid)
+            return {"scheduler"}
+        log.info(
+            "tensor parallel: %d ranks (%s), this host runs %s",
+            topo.size,
+            topo.backend,
+            list(topo.local),
+        )
+        for rank in topo.local:
+            name = "scheduler" if rank == 0 else f"scheduler-{rank}"
+            plan = topo.plan(rank)
+            self.procs[name] = spawn(
+                "scheduler", self.config, self.endpoints, pid, plan, label=name
+            )
+        return set(self.procs)
 
     def _await_ready(self, names: set[str]) -> dict[str, SchedulerFacts | None] | None:
         deadline = time.monotonic() + self.config.startup_timeout
@@ -216,8 +256,15 @@ class Launcher:
             if self.shutdown_reason is not None:
                 return self._graceful()
             dead = self._dead()
+            if dead and self._worker_done(dead):
+                log.info("rank %d: the engine stopped at rank 0", self.config.tp_rank)
+                return 0
             if dead:
                 return self._fail(dead)
+
+    def _worker_done(self, dead: list[str]) -> bool:
+        """A worker host whose rank exited 0: rank 0 sent Exit (its engine shut down)."""
+        return "tokenizer" not in self.procs and all(self.procs[n].exitcode == 0 for n in dead)
 
     def _dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if not p.is_alive()]
@@ -225,7 +272,7 @@ class Launcher:
     def _fail(self, dead: list[str]) -> int:
         codes = {name: self.procs[name].exitcode for name in dead}
         log.error("engine process died: %s; stopping the engine", codes)
-        if "tokenizer" not in dead:
+        if "tokenizer" in self.procs and "tokenizer" not in dead:
             self._to_tokenizer(Control("fail", f"{', '.join(dead)} died"))
             self.procs["tokenizer"].join(FAIL_NOTICE_S)
         return 1
@@ -233,6 +280,13 @@ class Launcher:
     # --- graceful shutdown ----------------------------------------------------------------------
 
     def _graceful(self) -> int:
+        if "tokenizer" not in self.procs:
+            # NOTE: a worker host cannot leave alone (rank 0 would block in its next collective):
+            # its rank is killed, and rank 0 stops the engine with an error. Stop rank 0 instead.
+            log.warning(
+                "rank %d stopped (%s): the engine fails", self.config.tp_rank, self.shutdown_reason
+            )
+            return 1
         grace = self.config.shutdown_grace
         log.info("shutting down (%s): running requests get %.1fs", self.shutdown_reason, grace)
         self._to_tokenizer(Control("drain", self.shutdown_reason or ""))

@@ -194,6 +194,22 @@ LLAMA_3_2_1B: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# NOTE: the shape of Llama-3.1-8B (~16 GB in bf16), for tensor-parallel GPU benchmarks.
+LLAMA_3_1_8B: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -234,6 +250,7 @@ QWEN3_NEXT_SMALL: dict[str, Any] = {
 # bf16 matmuls are slow and not what a CPU user runs).
 RANDOM_SHAPES: dict[str, tuple[dict[str, Any], mx.Dtype]] = {
     "llama-1b": (LLAMA_3_2_1B, mx.bfloat16),
+    "llama-8b": (LLAMA_3_1_8B, mx.bfloat16),
     "gemma3-small": (GEMMA3_SMALL, mx.float32),
     "qwen3next-small": (QWEN3_NEXT_SMALL, mx.float32),
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -36,6 +37,9 @@ from engine.wire_errors import to_failure
 if TYPE_CHECKING:  # NOTE: imported at run time only after the BLAS set-up (see _create)
     from scheduler_proc.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from engine.distributed import RankPlan
+
 log = logging.getLogger("scheduler")
 
 HEARTBEAT_S = 0.5
@@ -45,11 +49,22 @@ IDLE_WAIT_S = 0.05
 ABORT_SETTLE_S = 5.0
 
 
-def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int) -> None:
-    child.setup("scheduler", config.log_level)
-    me = child.Child("scheduler", endpoints.launcher, parent_pid)
+def run(
+    config: EngineConfig, endpoints: Endpoints, parent_pid: int, plan: RankPlan | None = None
+) -> None:
+    """One scheduler process; with `plan`, one tensor-parallel rank (rank > 0: a worker with no
+    sockets but the launcher's)."""
+    name = "scheduler" if plan is None or plan.rank == 0 else f"scheduler-{plan.rank}"
+    child.setup(name, config.log_level)
+    me = child.Child(name, endpoints.launcher, parent_pid)
+    facts: SchedulerFacts | None
     with me.starting():
-        loop, facts = _create(config, endpoints, me.orphaned)
+        if plan is None:
+            loop, facts = _create(config, endpoints, me.orphaned)
+        else:
+            from scheduler_proc.rank import create_rank
+
+            loop, facts = create_rank(config, endpoints, me.orphaned, plan, name)
     me.ready(facts)
     loop.run()
     me.close()
@@ -63,14 +78,20 @@ def _create(
     # NOTE: before anything imports mlx.core in this process (a BLAS preload only works then).
     setup_cpu_backend(config)
     from engine.models import resolve_model_dir
-    from engine.tokenizer_loader import tokenizer_defaults
     from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.scheduler import Scheduler
 
     model_dir = resolve_model_dir(config.model)
     model, eos = load_for_scheduler(str(model_dir), config)
     scheduler = Scheduler(config, model, eos)
-    facts = SchedulerFacts(
+    return SchedulerLoop(scheduler, endpoints, orphaned), scheduler_facts(model_dir, scheduler)
+
+
+def scheduler_facts(model_dir: Path, scheduler: Scheduler) -> SchedulerFacts:
+    """What the scheduler's READY tells the launcher (and through it the other processes)."""
+    from engine.tokenizer_loader import tokenizer_defaults
+
+    return SchedulerFacts(
         model_dir=str(model_dir),
         model=model_dir.name,
         vocab_size=int(scheduler.vocab),
@@ -79,7 +100,6 @@ def _create(
         prefix_cache_tokens=scheduler.kv_plan.store_tokens,
         tokenizer_defaults=tokenizer_defaults(model_dir),
     )
-    return SchedulerLoop(scheduler, endpoints, orphaned), facts
 
 
 class SchedulerLoop:

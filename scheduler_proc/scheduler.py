@@ -8,6 +8,7 @@ finish, an abort, a prefill to run, or shutdown. Rows (KV) move only while nothi
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -24,7 +25,7 @@ from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, PromptSlice
-from scheduler_proc.kv_budget import plan_kv
+from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.prefix_reuse import PrefixReuse
@@ -55,7 +56,14 @@ COUNTERS = (
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, model: nn.Module, eos_token_ids: Iterable[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        eos_token_ids: Iterable[int],
+        kv_agree: Callable[[KVPlan], KVPlan] | None = None,
+    ):
+        """`kv_agree`: tensor parallel, the plan every rank can hold (docs/distributed.md)."""
         self.config = config
         layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -72,6 +80,8 @@ class Scheduler:
             windows=[(bytes_per_token([s]), s.window) for s in layout.kv if s.window],
             chunk=self.chunk,
         )
+        if kv_agree is not None:
+            self.kv_plan = kv_agree(self.kv_plan)
         log.info(self.kv_plan.describe())
         if layout.states and not config.disable_radix_cache:
             # NOTE: a recurrent state is only exact at the position it was taken; without
@@ -91,6 +101,8 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
+        # NOTE: False under tensor parallel: a failed step (a lost peer) must stop the engine.
+        self.contain_errors = True
         self._rng = random.Random(config.seed)
         self._waiting: deque[Req] = deque()
         self._reqs: dict[str, Req] = {}
@@ -103,7 +115,9 @@ class Scheduler:
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefill_last = False  # the last fresh step was a prefill step
-        self.warm_up_s = self._warm_up()
+        # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
+        # different shapes would run different collectives; their start-up watchdog bounds it.
+        self.warm_up_s = self._warm_up(WARM_UP_DEADLINE_S if kv_agree is None else math.inf)
 
     # -- public interface --------------------------------------------------------------------
     def submit(
@@ -137,6 +151,8 @@ class Scheduler:
             try:
                 self._step_overlap() if self.overlap else self._step_sync()
             except Exception as exc:  # NOTE: one bad step fails its requests, not the engine
+                if not self.contain_errors:
+                    raise
                 log.exception("step failed")
                 self._fail_in_flight(exc)
         return self._emit()
@@ -186,7 +202,7 @@ class Scheduler:
         self._settle()
         mx.synchronize()
 
-    def _warm_up(self) -> float:
+    def _warm_up(self, deadline_s: float) -> float:
         """Run the step shapes once before serving; returns the seconds taken.
 
         NOTE: on a GPU every bucketed shape (each compiles); on the CPU ("auto") one small
@@ -198,7 +214,7 @@ class Scheduler:
             return 0.0
         minimal = mode == "auto" and self.ladders.exact
         budget = self.prefill_budget
-        n, seconds = self.runner.warm_up(budget, WARM_UP_DEADLINE_S, minimal=minimal)
+        n, seconds = self.runner.warm_up(budget, deadline_s, minimal=minimal)
         log.info("warm-up: %d step shapes in %.1f s", n, seconds)
         return seconds
 

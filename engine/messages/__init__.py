@@ -6,4 +6,5 @@
 - `to_detokenizer`: what the detokenizer process receives from the scheduler.
 - `to_client`: what an SDK client receives from the tokenizer process.
 - `to_launcher`: what the launcher receives (READY handshakes, start failures, shutdown requests).
+- `to_ranks`: what rank 0 broadcasts to every tensor-parallel scheduler rank, once per iteration.
 """

@@ -1,0 +1,141 @@
+"""Rank 0's inbox broadcast (scheduler_proc/broadcast.py) and the group helpers (engine/distributed.py).
+
+The frame protocol runs here on a group of one and on two real ring ranks (subprocesses, each
+bounded by a timeout): commands arrive in order one iteration after they are posted, and ranks
+whose state differs stop with `Diverged`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from scheduler_util import tiny_model
+
+from engine.distributed import Topology, check_shardable, read_hostfile, topology
+from engine.messages.to_ranks import Exit
+from engine.messages.to_scheduler import Abort, TokenizedRequest
+from engine.sampling_params import SamplingParams
+from scheduler_proc.broadcast import Broadcast
+
+
+def test_commands_arrive_in_order_one_iteration_later():
+    bcast = Broadcast(mx.distributed.init())  # NOTE: no environment: a group of one
+    # NOTE: ~5 MB encoded, beyond MAX_PAYLOAD: it goes alone, in a frame of its own size.
+    big = TokenizedRequest("big", list(range(1 << 20, 2 << 20)), SamplingParams())
+    posted = [Abort("a"), big, Abort("b"), Exit("done")]
+    for cmd in posted:
+        bcast.post(cmd)
+    got: list = []
+    for step in range(1, 6):
+        bcast.start(step, 1234)
+        got.append(bcast.finish())
+    # NOTE: frame 1 only announces what frame 2 carries.
+    assert got == [[], [posted[0]], [big], posted[2:], []]
+    assert not bcast.busy()
+
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import sys
+    from engine.distributed import RankPlan, join_group
+    rank, hostfile = int(sys.argv[1]), sys.argv[2]
+    hosts = (("127.0.0.1:%s" % sys.argv[3],), ("127.0.0.1:%s" % sys.argv[4],))
+    RankPlan(rank, hosts, hostfile, "ring", 2, None).enter()
+    from engine.messages.to_scheduler import Abort
+    from scheduler_proc.broadcast import Broadcast, Diverged
+    group = join_group(RankPlan(rank, hosts, hostfile, "ring", 2, None))
+    bcast = Broadcast(group)
+    if rank == 0:
+        bcast.post(Abort("x"))
+    got = []
+    for step in (1, 2):
+        bcast.start(step, 7)
+        got += bcast.finish()
+    print("GOT", [c.rid for c in got], flush=True)
+    try:
+        bcast.start(3, 7 + rank)  # NOTE: the ranks' states differ
+        bcast.finish()
+    except Diverged as e:
+        print("DIVERGED", e, flush=True)
+    from engine.config import EngineConfig
+    from scheduler_proc.rank import check_same_options
+    check_same_options(group, EngineConfig(seed=5))
+    try:
+        check_same_options(group, EngineConfig(seed=rank))
+    except ValueError as e:
+        print("OPTIONS", e, flush=True)
+    from scheduler_proc.kv_budget import plan_kv
+    from scheduler_proc.rank import agree_kv_plan
+    tokens = 16384 if rank == 0 else 5632
+    kv = EngineConfig(max_total_tokens=tokens, context_length=1024, max_running_requests=8)
+    mine = plan_kv(kv, 64, None)
+    agreed = agree_kv_plan(group, mine)
+    print("KV", mine.rows, agreed.rows, agreed.row_len, agreed.store_tokens, flush=True)
+    """
+)
+
+
+def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(tmp_path: Path):
+    from engine_harness import free_port
+
+    ports = [str(free_port()), str(free_port())]
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(f'[["127.0.0.1:{ports[0]}"], ["127.0.0.1:{ports[1]}"]]')
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANKS, str(r), str(hostfile), *ports],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for out in outs:
+        assert "GOT ['x']" in out, out
+        assert "DIVERGED rank 1 is at step 3 with state 0x" in out, out
+        assert out.count("OPTIONS the ranks were started with different") == 1, out
+    # NOTE: rank 0 could hold 8 rows and a 1024-token store, rank 1 only 4 and 512: both allocate
+    # rank 1's plan.
+    assert "KV 8 4 1024 512" in outs[0] and "KV 4 4 1024 512" in outs[1], outs
+
+
+def test_heads_must_divide_by_the_ranks(tiny_weights_dir):
+    model = tiny_model(tiny_weights_dir)  # NOTE: 4 attention heads, 2 KV heads
+    check_shardable(model, 2)
+    with pytest.raises(ValueError, match=r"KV heads \(2\) do not divide by 4"):
+        check_shardable(model, 4)
+    with pytest.raises(ValueError, match=r"attention heads \(4\) do not divide by 3"):
+        check_shardable(model, 3)
+
+
+def test_topology_one_host_and_hostfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from engine.config import EngineConfig
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one = topology(EngineConfig(tp=2), tmp_path)
+    assert isinstance(one, Topology) and one.local == (0, 1)
+    assert read_hostfile(one.hostfile) == one.hosts
+    assert one.plan(1).env()["MLX_RANK"] == "1"
+    assert one.plan(1).env()["CUDA_VISIBLE_DEVICES"] == "1"
+    assert topology(EngineConfig(), tmp_path) is None
+    hostfile = tmp_path / "h.json"
+    hostfile.write_text('[["10.0.0.1:5000"], ["10.0.0.2:5000"]]')
+    multi = topology(EngineConfig(tp_hostfile=str(hostfile), tp_rank=1), tmp_path)
+    assert multi is not None and multi.local == (1,)
+    assert multi.plan(1).env()["CUDA_VISIBLE_DEVICES"] == "0"  # NOTE: its host's first GPU
+    assert multi.plan(1).env()["NCCL_HOST_IP"] == "10.0.0.1"
+    hostfile.write_text('["10.0.0.1"]')
+    with pytest.raises(ValueError, match="ip:port"):
+        topology(EngineConfig(tp_hostfile=str(hostfile)), tmp_path)
