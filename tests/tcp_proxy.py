@@ -48,7 +48,9 @@ class TcpProxy:
             for key, _ in sel.select(0.02):
                 if key.fileobj is self._listener:
                     self._accept(sel)
-                else:
+                elif key.fileobj in self._pairs:
+                    # NOTE: both ends of a pair can be ready in one select; the first may have
+                    # closed the pair already (that race killed this thread with a KeyError).
                     self._pump(sel, key.fileobj)  # type: ignore[arg-type]
         self._drop_all(sel)
         sel.close()
@@ -78,7 +80,9 @@ class TcpProxy:
                 self._close_pair(sel, s)
 
     def _close_pair(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
-        other = self._pairs.pop(s)
+        other = self._pairs.pop(s, None)
+        if other is None:
+            return
         self._pairs.pop(other, None)
         for sock in (s, other):
             sel.unregister(sock)
