@@ -201,11 +201,7 @@ class SchedulerLoop:
     def _exit(self) -> None:
         import mlx.core as mx
 
-        self.sched.shutdown()
-        self._send(self.sched.step())
-        # NOTE: whatever the scheduler could not report still gets its terminal output.
-        lost = self.sched.in_flight().items()
-        self._send([Chunk(rid, finish_reason="abort", prompt_tokens=n) for rid, n in lost])
+        self._send(self.sched.last_outputs())
         mx.synchronize()
         self.outbox.put(SchedulerExited())
         self.inbox.close()

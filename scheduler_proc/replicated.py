@@ -239,10 +239,7 @@ class ReplicatedLoop:
             self.links.outbox.put(msg)
 
     def _exit(self) -> None:
-        self.sched.shutdown()
-        self._send(self.sched.step())
-        lost = self.sched.in_flight().items()
-        self._send([Chunk(rid, finish_reason="abort", prompt_tokens=n) for rid, n in lost])
+        self._send(self.sched.last_outputs())
         mx.synchronize()
         self._tell(SchedulerExited())
         if self.links is not None:

@@ -202,6 +202,14 @@ class Scheduler:
         self._settle()
         mx.synchronize()
 
+    def last_outputs(self) -> list[Chunk]:
+        """Shut down and report every request's end: the aborts the last step reports, then a
+        synthesized abort for whatever it could not report (so no client waits forever)."""
+        self.shutdown()
+        outputs = self.step()
+        lost = self.in_flight().items()
+        return outputs + [Chunk(rid, finish_reason="abort", prompt_tokens=n) for rid, n in lost]
+
     def _warm_up(self, deadline_s: float) -> float:
         """Run the step shapes once before serving; returns the seconds taken.
 
