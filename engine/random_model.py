@@ -213,7 +213,7 @@ LLAMA_3_1_8B: dict[str, Any] = {
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-# NOTE: small models of two kinds the slot pool holds besides full attention, for CPU benchmarks
+# NOTE: small models of two kinds the row KV pool holds besides full attention, for CPU benchmarks
 # against mlx-lm's BatchGenerator: gemma3_text (5 sliding-window layers of 128 tokens to 1 full)
 # and qwen3_next (gated delta net recurrent layers, 1 full-attention layer in 4, MoE).
 GEMMA3_SMALL: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""Slot KV cache: preallocated per-layer K/V buffers, one row per running request.
+"""Row KV pool: preallocated per-layer K/V buffers, one row per running request.
 
 Storage is `(rows, kv_heads, row_len, head_dim)` per layer, allocated once. Rows in use are kept
 compact (`[0, rows_in_use)`), so a batched step reads `K[:B, :, :L]` as a slice. The per-layer
@@ -190,9 +190,9 @@ def ragged_mask(starts: mx.array, width: int, kv_len: int, window: int | None) -
 def ring_mask(
     starts: mx.array, ends: mx.array, width: int, keys: int, ring: int, window: int
 ) -> mx.array:
-    """(R, 1, T, keys) over a window layer's ring of `ring` slots (position p in slot p % ring).
+    """(R, 1, T, keys) over a window layer's ring of `ring` entries (position p in entry p % ring).
 
-    After the step's writes, slot j of a row ending at `e` holds position
+    After the step's writes, entry j of a row ending at `e` holds position
     `e - 1 - ((e - 1 - j) mod ring)` (negative: never written); query t (at `starts + t`) sees
     the positions in its window up to its own. Padding queries see what the row's last real token
     sees, so no query row of the mask is empty.
@@ -297,7 +297,7 @@ class KVPool:
     ) -> None:
         self.shapes, self.rows, self.row_len = list(shapes), rows, row_len
         self.layout = layout or Layout.attention_only(self.shapes)
-        # NOTE: a window layer keeps a ring of `window + chunk - 1` slots when that is shorter
+        # NOTE: a window layer keeps a ring of `window + chunk - 1` entries when that is shorter
         # than the row: a step's widest chunk (`chunk` tokens) then never overwrites a key one
         # of its own queries still needs. Without `chunk` every layer keeps the whole row.
         self.rings = [ring_size(s.window, chunk, row_len) for s in self.shapes]
@@ -367,8 +367,8 @@ class KVPool:
         self.write_states(dst, states)
 
     def read_row(self, row: int, end: int) -> list[tuple[mx.array, mx.array]]:
-        """The row's first `end` tokens per layer; a ring layer's slots as they are (at most
-        its ring), which `write_row` puts back at the same slots."""
+        """The row's first `end` tokens per layer; a ring layer's entries as they are (at most
+        its ring), which `write_row` puts back at the same entries."""
         out = []
         for k, v in self._pairs():
             sl = (slice(row, row + 1), slice(None), slice(0, min(end, k.shape[2])))
@@ -454,7 +454,7 @@ class KVPool:
 
 
 def ring_size(window: int | None, chunk: int | None, row_len: int) -> int | None:
-    """Slots of a window layer's ring, or None when the layer keeps the whole row."""
+    """Entries of a window layer's ring, or None when the layer keeps the whole row."""
     if window is None or chunk is None:
         return None
     ring = window + chunk - 1
@@ -524,7 +524,7 @@ def probe_model(model) -> tuple[Layout, int]:
     probes = [_probe_for(c) for c in caches]
     if any(p is None for p in probes):
         names = sorted({_kind_name(c) for c, p in zip(caches, probes, strict=True) if p is None})
-        raise ModelError(f"unsupported cache types for the slot KV cache: {', '.join(names)}")
+        raise ModelError(f"unsupported cache types for the row KV pool: {', '.join(names)}")
     logits = model(mx.array([[0]]), cache=probes)
     mx.eval(logits)
     entries: list[tuple[str, int]] = []

@@ -2,7 +2,7 @@
 
 Per layer the store holds `(1, kv_heads, size, dim)` keys and values, the shape `KVPool.read_row`
 returns, so a span moves between a request's row and the store with one gather or one scatter per
-layer. The two copies the slot design needs:
+layer. The two copies between a row and the store:
 - admission: `load(pool, row, slots)` writes a cached prefix into positions `[0, n)` of a row;
 - finish / abort: `save(pool, row, start, slots)` copies positions `[start, start + n)` of a row
   (the part not cached yet) into the store.

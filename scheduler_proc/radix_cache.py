@@ -2,7 +2,8 @@
 
 The tree knows nothing about MLX: it maps token prefixes to store slots, counts references of the
 paths running requests use, and picks least recently used unreferenced leaves to evict. The caller
-(`PrefixCache`) allocates and frees the slots themselves.
+(`PrefixCache`) allocates and frees the slots themselves, and holds each running request's lock as
+a `Hit`.
 
 Invariants (checked by tests/test_radix_cache.py after every random step):
 - every non-root node has a non-empty span with one slot per token, keyed in its parent by its
@@ -41,6 +42,16 @@ class Match:
     length: int
     slots: list[int]
     node: Node
+
+
+@dataclass(eq=False)
+class Hit:
+    """A request's locked cached prefix (a `Match` it holds a lock on until it is released)."""
+
+    length: int
+    slots: list[int]
+    node: Node
+    released: bool = False
 
 
 class RadixCache:

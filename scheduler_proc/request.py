@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
-from scheduler_proc.prefix_cache import Hit
+from scheduler_proc.radix_cache import Hit
 
 
 class State(enum.Enum):

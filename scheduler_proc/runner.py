@@ -1,4 +1,4 @@
-"""Builds a step's one lazy forward on the slot KV cache and queues it with `mx.async_eval`.
+"""Builds a step's one lazy forward on the row KV pool and queues it with `mx.async_eval`.
 
 Every forward has a bucketed shape (`scheduler_proc.shapes`): rows, query width and keys read are
 rounded up, and padding rows and positions write only to the pool's scratch row.

@@ -28,7 +28,6 @@ from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
 from scheduler_proc.prefix_cache import PrefixCache
-from scheduler_proc.prefix_reuse import PrefixReuse
 from scheduler_proc.prefix_store import PrefixStore
 from scheduler_proc.request import Req, State
 from scheduler_proc.rows import RowTable
@@ -91,10 +90,11 @@ class Scheduler:
         plan = self.kv_plan
         self.pool = KVPool(shapes, plan.rows, plan.row_len, layout, chunk=self.chunk)
         store = self.kv_plan.store_tokens
-        cache = None
+        # NOTE: None when the cache is off (flag, recurrent state layers, no store in the budget).
+        self.prefix: PrefixCache | None = None
         if store > 0:
-            cache = PrefixCache(PrefixStore(shapes, store), window=self.pool.ring_window)
-        self.prefix = PrefixReuse(cache, self.pool)
+            store_kv = PrefixStore(shapes, store)
+            self.prefix = PrefixCache(store_kv, self.pool, window=self.pool.ring_window)
         self.rows = RowTable(self.pool)
         self.ladders = Ladders.for_pool(self.pool.rows, self.pool.row_len, self.chunk, exact=on_cpu)
         self.runner = Runner(model, self.pool, self.vocab, self.ladders)
@@ -189,7 +189,7 @@ class Scheduler:
             "warm_up_s": round(self.warm_up_s, 3),
             "chunked_prefill_size": self.chunk,
             "max_prefill_tokens": self.prefill_budget,
-            **self.prefix.stats(),
+            **(self.prefix.stats() if self.prefix is not None else {}),
         }
 
     def shutdown(self) -> None:
@@ -321,12 +321,13 @@ class Scheduler:
         try:
             while self._admissible():
                 req = self._waiting.popleft()
-                if self.prefix.should_wait(req, self.rows.prefilling()):
+                if self.prefix is not None and self.prefix.should_wait(req, self.rows.prefilling()):
                     deferred.append(req)
                     continue
                 req.state = State.PREFILLING
                 self.rows.add(req)
-                self.prefix.admit(req)
+                if self.prefix is not None:
+                    self.prefix.admit(req)
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
             self._waiting.extendleft(reversed(deferred))
 
@@ -409,7 +410,7 @@ class Scheduler:
         """Row moves and releases; only called while no step is in flight."""
         assert self._current is None and self._next is None
         for req in self._to_publish:
-            if not req.finished:
+            if not req.finished and self.prefix is not None:
                 self.prefix.publish(req)
         self._to_publish.clear()
         for req in self._to_promote:
@@ -418,7 +419,8 @@ class Scheduler:
         self._to_promote.clear()
         for req in self._to_free.values():
             if req.row is not None:
-                self.prefix.retire(req)
+                if self.prefix is not None:
+                    self.prefix.retire(req)
                 self.rows.release(req)
             req.state = State.FINISHED
         self._to_free.clear()

@@ -1,9 +1,9 @@
 """Measure the KV-cache operations that decide the design (docs/kv_cache.md).
 
 Per operation, on SmolLM2-135M-shaped layers (30 layers, 3 KV heads, head_dim 64):
-  - admit one request into a running batch of B: mlx-lm BatchKVCache.extend vs a slot-row write
-  - retire one request: BatchKVCache.filter vs moving the last slot row into the hole
-  - one decode step's KV write + attention: slot slice K[:B, :, :L] vs a paged gather
+  - admit one request into a running batch of B: mlx-lm BatchKVCache.extend vs a row write
+  - retire one request: BatchKVCache.filter vs moving the last row into the hole
+  - one decode step's KV write + attention: row slice K[:B, :, :L] vs a paged gather
 
   .venv/bin/python scripts/bench_kv_cache.py [--batch 32] [--length 1024] [--dtype float16]
 """
@@ -73,7 +73,7 @@ def bench_batchkv(b: int, length: int, dtype) -> tuple[float, float]:
     return min(admit() for _ in range(3)) * 1e3, min(retire() for _ in range(3)) * 1e3
 
 
-def bench_slots(b: int, length: int, dtype) -> tuple[float, float, float]:
+def bench_rows(b: int, length: int, dtype) -> tuple[float, float, float]:
     shapes = [LayerShape(HEADS, DIM, DIM, dtype)] * LAYERS
     pool = KVPool(shapes, b + 1, length + 64)
     for _ in range(b):
@@ -141,15 +141,15 @@ def main() -> None:
     b, n = a.batch, a.length
     print(f"B={b} L={n} {a.dtype}, {LAYERS} layers x {HEADS} heads x {DIM} (all layers, ms)")
     bk_admit, bk_retire = bench_batchkv(b, n, dtype)
-    s_admit, s_retire, s_decode = bench_slots(b, n, dtype)
+    s_admit, s_retire, s_decode = bench_rows(b, n, dtype)
     paged = bench_paged_decode(b, n, dtype)
     print(
-        f"admit one request:  BatchKVCache.extend {bk_admit:8.2f} | slot row write {s_admit:8.2f}"
+        f"admit one request:  BatchKVCache.extend {bk_admit:8.2f} | row write      {s_admit:8.2f}"
     )
     print(
-        f"retire one request: BatchKVCache.filter {bk_retire:8.2f} | slot row move  {s_retire:8.2f}"
+        f"retire one request: BatchKVCache.filter {bk_retire:8.2f} | row move       {s_retire:8.2f}"
     )
-    print(f"decode write+attn:  slot slice          {s_decode:8.2f} | paged gather   {paged:8.2f}")
+    print(f"decode write+attn:  row slice           {s_decode:8.2f} | paged gather   {paged:8.2f}")
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ BUGS = (
         "start = 0",
     ),
     Bug(
-        "a window layer's ring mask shows slots never written (negative positions)",
+        "a window layer's ring mask shows ring entries never written (negative positions)",
         "scheduler_proc/kv_cache.py",
         "    visible = (p >= 0) & (p <= q) & (p > q - window)",
         "    visible = (p <= q) & (p > q - window)",

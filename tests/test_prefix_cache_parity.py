@@ -53,7 +53,7 @@ def _check(model, arrivals, **overrides):
 def _assert_clean(sched) -> None:
     stats = sched.stats()
     assert stats["kv_rows_in_use"] == 0 and stats["kv_tokens_in_use"] == 0
-    cache = sched.prefix.cache
+    cache = sched.prefix
     assert cache.tree.locked_tokens == 0, "a lock outlived its request"
     assert cache.tree.total_tokens == cache.store.slots.in_use, "prefix store slot leaked"
 
@@ -131,7 +131,7 @@ def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
     assert stats["kv_rows_total"] == 2 and stats["prefix_cache_capacity"] == 80
     assert stats["prefix_cache_evicted_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
-    allocated = sched.pool.nbytes + sched.prefix.cache.store.nbytes
+    allocated = sched.pool.nbytes + sched.prefix.store.nbytes
     plan = sched.kv_plan
     assert allocated == plan.tokens * plan.budget.bytes_per_token
     assert allocated <= plan.budget.tokens * plan.budget.bytes_per_token, "KV beyond the budget"

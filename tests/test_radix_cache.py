@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler_proc.prefix_cache import Hit, PrefixCache, common_prefix, shares_pending_prefix
+from scheduler_proc.prefix_cache import PrefixCache, common_prefix, shares_pending_prefix
 from scheduler_proc.prefix_store import SlotAllocator
-from scheduler_proc.radix_cache import Node, RadixCache
+from scheduler_proc.radix_cache import Hit, Node, RadixCache
 
 
 def kv(prefix: tuple[int, ...]) -> int:
@@ -121,7 +121,7 @@ def _admit(cache, store, pool, running, rng, bases, next_row) -> None:
     hit = cache.acquire(tokens, len(tokens) - 1)
     assert hit.length == want, "not the longest cached prefix"
     pool.rows[next_row] = [None] * 64
-    cache.load(hit, pool, next_row)
+    cache.load(hit, next_row)
     for p in range(hit.length):
         assert pool.rows[next_row][p] == kv(tuple(tokens[: p + 1])), "loaded the wrong KV"
     running.append(Running(tokens, hit, next_row))
@@ -132,13 +132,13 @@ def _retire(cache, store, pool, running, rng) -> None:
     r = running.pop(rng.randrange(len(running)))
     kind = rng.choice(["finish", "abort", "abort_early"])
     if kind == "abort_early":
-        cache.release(r.hit, r.tokens, None, None)
+        cache.release(r.hit, r.tokens, None)
         return
     seq = r.tokens + [rng.randrange(6) for _ in range(rng.randint(0, 6))]
     end = len(seq) if kind == "finish" else rng.randint(r.hit.length, len(r.tokens))
     _compute(pool, r.row, seq, r.hit.length, end)
     room = store.slots.available + cache.tree.evictable_tokens
-    cache.release(r.hit, seq[:end], pool, r.row)
+    cache.release(r.hit, seq[:end], r.row)
     cached = paths(cache.tree)
     stored = max((len(p) for p in cached if list(p) == seq[: len(p)]), default=0)
     if room >= end:
@@ -150,7 +150,7 @@ def _publish(cache, pool, running, rng) -> None:
     r = rng.choice(running)
     _compute(pool, r.row, r.tokens, r.hit.length, len(r.tokens))
     before = r.hit.length
-    cache.publish(r.hit, r.tokens, pool, r.row)
+    cache.extend(r.hit, r.tokens, r.row)
     assert r.hit.length >= before
     assert r.hit.length == max(
         len(p) for p in [()] + list(paths(cache.tree)) if list(p) == r.tokens[: len(p)]
@@ -176,7 +176,8 @@ def _evict(cache, store, rng) -> None:
 def test_random_interleavings(seed: int) -> None:
     rng = random.Random(seed)
     store = FakeStore(size=rng.choice([8, 24, 64, 256]))
-    cache, pool, running = PrefixCache(store), FakePool(), []
+    pool, running = FakePool(), []
+    cache = PrefixCache(store, pool)
     bases = [[rng.randrange(6) for _ in range(rng.randint(4, 20))] for _ in range(3)]
     prev = check(cache, running, store)
     for step in range(400):
@@ -229,15 +230,16 @@ def test_least_recently_used_goes_first() -> None:
 
 def test_hit_equal_to_whole_prompt_leaves_the_last_token() -> None:
     store = FakeStore(16)
-    cache, pool = PrefixCache(store), FakePool()
+    pool = FakePool()
+    cache = PrefixCache(store, pool)
     pool.rows[0] = [None] * 16
     _compute(pool, 0, [5, 6, 7], 0, 3)
-    cache.release(cache.acquire([5, 6, 7], 2), [5, 6, 7], pool, 0)
+    cache.release(cache.acquire([5, 6, 7], 2), [5, 6, 7], 0)
     hit = cache.acquire([5, 6, 7], 2)
     assert hit.length == 2
-    cache.release(hit, [5, 6, 7], None, None)
+    cache.release(hit, [5, 6, 7], None)
     with pytest.raises(RuntimeError):
-        cache.release(hit, [5, 6, 7], None, None)
+        cache.release(hit, [5, 6, 7], None)
 
 
 def test_double_free_is_caught() -> None:
