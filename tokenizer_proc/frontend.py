@@ -329,7 +329,10 @@ class Frontend:
         log.debug("rid=%s admitted: %d prompt tokens", msg.rid, len(ids))
 
     def _client_gone(self, owner: Hashable) -> None:
-        for rid in self.core.owner_gone(owner):
+        rids = self.core.owner_gone(owner)
+        if rids:
+            log.warning("a client cannot be reached: aborting its %d request(s)", len(rids))
+        for rid in rids:
             self.to_scheduler.put(Abort(rid))
 
     # --- engine side ----------------------------------------------------------------------------
