@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -153,20 +154,30 @@ class Streams:
         assert not any(t.is_alive() for t in self.threads), "a stream hangs"
 
 
-def test_kill_9_of_a_worker_rank_stops_the_engine_fast(launch):
-    engine = launch(*TP2)
-    ranks = rank_pids(engine)
-    streams = Streams(engine.address, 3)
+def stopped_by(
+    engine: LaunchedEngine, fault: Callable[[], None], n: int, within: float
+) -> tuple[int | None, float]:
+    """n streams, then `fault`, then one request more: returns the engine's exit code and how
+    long it took to stop, once every client was told (a request sent after the fault cannot
+    finish, so it must end with EngineDead)."""
+    streams = Streams(engine.address, n)
     t0 = time.monotonic()
-    kill_quietly(ranks["scheduler-1"])
-    late = Streams(engine.address, 1, wait=False)  # NOTE: sent after the fault: cannot finish
-    code = engine.wait(timeout=15)
+    fault()
+    late = Streams(engine.address, 1, wait=False)
+    code = engine.wait(timeout=within)
     took = time.monotonic() - t0
     streams.join(15)
     late.join(15)
-    assert code != 0 and took < 10, (code, took)
     assert streams.told_engine_dead(), streams.ends
     assert isinstance(late.ends[0], EngineDead), late.ends
+    return code, took
+
+
+def test_kill_9_of_a_worker_rank_stops_the_engine_fast(launch):
+    engine = launch(*TP2)
+    ranks = rank_pids(engine)
+    code, took = stopped_by(engine, lambda: kill_quietly(ranks["scheduler-1"]), 3, within=15)
+    assert code != 0 and took < 10, (code, took)
     assert wait_gone(list(ranks.values()) + list(engine.child_pids().values()), 5) == []
 
 
@@ -174,21 +185,13 @@ def test_a_stalled_rank_trips_the_watchdog(launch):
     """A rank alive but not stepping (SIGSTOP) would block the other in its collective forever."""
     engine = launch(*TP2, "--tp-step-timeout", "3")
     ranks = rank_pids(engine)
-    streams = Streams(engine.address, 2)
-    t0 = time.monotonic()
-    kill_quietly(ranks["scheduler-1"], signal.SIGSTOP)
-    late = Streams(engine.address, 1, wait=False)  # NOTE: sent after the stall: cannot finish
     try:
-        code = engine.wait(timeout=20)
+        stall = lambda: kill_quietly(ranks["scheduler-1"], signal.SIGSTOP)  # noqa: E731
+        code, took = stopped_by(engine, stall, 2, within=20)
     finally:
         kill_quietly(ranks["scheduler-1"], signal.SIGCONT)
-    took = time.monotonic() - t0
-    streams.join(15)
-    late.join(15)
     assert code != 0 and took < 12, (code, took)
     assert "took over 3.0s (a rank stalled" in engine.log()
-    assert streams.told_engine_dead(), streams.ends
-    assert isinstance(late.ends[0], EngineDead), late.ends
     assert wait_gone(list(ranks.values()), 5) == []
 
 
@@ -279,18 +282,10 @@ def test_a_rank_lost_on_another_host_stops_the_engine(tiny_model_dir, tmp_path):
     root = LaunchedEngine(tiny_model_dir, tmp_path / "rank0.log", *tp)
     try:
         root.wait_ready()
-        streams = Streams(root.address, 2)
-        t0 = time.monotonic()
-        kill_quietly(rank_pids(worker)["scheduler-1"])
-        late = Streams(root.address, 1, wait=False)  # NOTE: sent after the loss: cannot finish
-        code = root.wait(timeout=20)
-        took = time.monotonic() - t0
-        streams.join(15)
-        late.join(15)
+        worker_rank = rank_pids(worker)["scheduler-1"]
+        code, took = stopped_by(root, lambda: kill_quietly(worker_rank), 2, within=20)
         assert code != 0 and took < 15, (code, took)
         assert "rank 0: fatal error" in root.log() or "took over 5.0s" in root.log()
-        assert streams.told_engine_dead(), streams.ends
-        assert isinstance(late.ends[0], EngineDead), late.ends
         assert worker.wait(timeout=10) != 0
     finally:
         root.stop()
