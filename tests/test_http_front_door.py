@@ -4,7 +4,9 @@ answer is injected as its real wire messages, for cases no live engine produces 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +30,19 @@ def front_door(tmp_path: Path) -> Frontend:
     return Frontend(config, Endpoints.create(config, tmp_path), None, facts, print)
 
 
+@contextlib.asynccontextmanager
+async def _served(tmp_path: Path) -> AsyncIterator[tuple[Frontend, TestClient]]:
+    """A front door with its HTTP API on a test server; both closed on the way out."""
+    frontend = front_door(tmp_path)
+    client = TestClient(TestServer(HttpApi(frontend).app))
+    await client.start_server()
+    try:
+        yield frontend, client
+    finally:
+        await client.close()
+        frontend.close()
+
+
 async def _admitted(frontend: Frontend) -> str:
     while not len(frontend.table):
         await asyncio.sleep(0.01)
@@ -39,10 +54,7 @@ def test_a_refusal_before_the_first_token_gets_its_status_not_a_200(tmp_path):
     a stream that has sent nothing yet answers with the refusal's status."""
 
     async def scenario() -> tuple[int, dict]:
-        frontend = front_door(tmp_path)
-        client = TestClient(TestServer(HttpApi(frontend).app))
-        await client.start_server()
-        try:
+        async with _served(tmp_path) as (frontend, client):
             body = {"prompt": [1, 2], "stream": True, "max_tokens": 4}
             reply = asyncio.create_task(client.post("/v1/completions", json=body))
             rid = await _admitted(frontend)
@@ -50,9 +62,6 @@ def test_a_refusal_before_the_first_token_gets_its_status_not_a_200(tmp_path):
             await frontend._on_engine(failed)
             resp = await asyncio.wait_for(reply, 10)
             return resp.status, await resp.json()
-        finally:
-            await client.close()
-            frontend.close()
 
     status, body = asyncio.run(scenario())
     assert status == 429 and body["error"]["code"] == "overloaded", body
@@ -60,10 +69,7 @@ def test_a_refusal_before_the_first_token_gets_its_status_not_a_200(tmp_path):
 
 def test_a_stream_sends_headers_with_its_first_token(tmp_path):
     async def scenario() -> list[str]:
-        frontend = front_door(tmp_path)
-        client = TestClient(TestServer(HttpApi(frontend).app))
-        await client.start_server()
-        try:
+        async with _served(tmp_path) as (frontend, client):
             body = {"prompt": [1, 2], "stream": True, "max_tokens": 2}
             reply = asyncio.create_task(client.post("/v1/completions", json=body))
             rid = await _admitted(frontend)
@@ -75,9 +81,6 @@ def test_a_stream_sends_headers_with_its_first_token(tmp_path):
             resp = await asyncio.wait_for(reply, 10)
             assert resp.status == 200
             return [line for line in (await resp.text()).splitlines() if line]
-        finally:
-            await client.close()
-            frontend.close()
 
     events = asyncio.run(scenario())
     assert events[-1] == "data: [DONE]" and '"text":"a"' in events[0] and len(events) == 4
