@@ -119,9 +119,12 @@ class _RaggedView:
     one scatter; padding is written to the scratch row, so no row in use ever sees it. Attention
     reads keys `[0, kv_len)` (a bucketed length) of the rows: a slice when they are `[0, R)` (a
     decode step), a gather otherwise (a prefill step, where the gather is small next to the work).
+
+    `fused` (a decode step on CUDA, `scheduler_proc.decode_attention`): full-attention layers hand
+    attention the whole buffers and each row's key count instead of a slice and a mask.
     """
 
-    def __init__(self, plan: StepRows, scratch: int, kv_len: int) -> None:
+    def __init__(self, plan: StepRows, scratch: int, kv_len: int, fused: bool = False) -> None:
         self.length = kv_len
         t = plan.width
         self.offset = mx.array(plan.starts, dtype=mx.int32)
@@ -141,6 +144,9 @@ class _RaggedView:
         )
         padded = any(n < t for n in plan.lengths)
         self.lengths = mx.array(plan.lengths, dtype=mx.int32) if padded else None
+        # NOTE: the kernel reads row b of the step from pool row b: decode rows are [0, R).
+        reads_first_rows = isinstance(self._read_rows, slice) and self._read_rows.start == 0
+        self.fused = fused and t == 1 and reads_first_rows
 
     def write(self, buf: mx.array, new: mx.array, ring: int | None) -> mx.array:
         rows, pos = self._write
@@ -154,14 +160,22 @@ class _RaggedView:
         return buf
 
     def read(self, buf: mx.array, n: int, window: int | None, ring: int | None) -> mx.array:
+        if self.fused and window is None:
+            return buf  # NOTE: `fused_ends` bounds each row's keys
         keys = self.length if ring is None else min(ring, self.length)
         return buf[self._read_rows, :, :keys]
+
+    def fused_ends(self, window: int | None) -> mx.array | None:
+        """Keys per row for a fused full-attention layer (None: the layer takes the mask)."""
+        return self._ends if self.fused and window is None else None
 
     def mask(
         self, n: int, return_array: bool, window_size: int | None, ring: int | None = None
     ) -> mx.array:
         # NOTE: one mask per window size: a model with sliding and full layers asks for both.
         key = (window_size, ring)
+        if self.fused and window_size is None:
+            return None  # NOTE: unused: the fused kernel bounds each row by its length
         if key not in self._masks:
             if ring is None:
                 mask = ragged_mask(self.offset, self._t, self.length, window_size)
@@ -242,6 +256,11 @@ class LayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._pool.update(self._layer, keys, values)
+
+    def fused_lengths(self) -> mx.array | None:
+        """Keys per row when this layer's attention runs the fused decode (`decode_attention`)."""
+        ends = getattr(self._pool.view, "fused_ends", None)
+        return ends(self._window) if ends is not None else None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # NOTE: as mlx-lm's RotatingKVCache: a window layer's mask has its window even when the
@@ -432,9 +451,9 @@ class KVPool:
         self.view = _RowView(row, start)
         return self.layers
 
-    def ragged_view(self, plan: StepRows, kv_len: int) -> list[EntryCache]:
+    def ragged_view(self, plan: StepRows, kv_len: int, fused: bool = False) -> list[EntryCache]:
         """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row."""
-        self.view = _RaggedView(plan, self.scratch, kv_len)
+        self.view = _RaggedView(plan, self.scratch, kv_len, fused)
         return self.layers
 
     def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:

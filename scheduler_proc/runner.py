@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.sampling_params import SamplingParams
+from scheduler_proc import decode_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_cache import EntryCache, KVPool, StepRows
 from scheduler_proc.request import Req
@@ -41,6 +42,30 @@ class Runner:
             log.info("recurrent state layers: prefill steps run %s", how)
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.shapes_warmed = 0  # of those, run by the warm-up
+        self._windows = any(s.window is not None for s in pool.shapes)
+        self.fused_decode = decode_attention.available() and self._check_fused()
+
+    def _check_fused(self) -> bool:
+        """One fused decode forward (scratch writes only): did every full-attention layer run
+        the kernel? A model whose attention bypasses mlx-lm's function keeps the masked path."""
+        if not decode_attention.install(self.model):
+            log.info("decode attention: masked (the model's attention is not mlx-lm's)")
+            return False
+        full = sum(s.window is None for s in self.pool.shapes)
+        before = (decode_attention.counts.calls, decode_attention.counts.masked)
+        tokens, plan, kv_len = self._warm_decode(2, self.ladders.kv[0])
+        try:
+            mx.eval(self.model(tokens, cache=self.pool.ragged_view(plan, kv_len, fused=True)))
+        except Exception as e:  # NOTE: a kernel that fails to build must not stop the engine
+            log.warning("decode attention: masked (the fused kernel failed: %s)", e)
+            return False
+        calls = decode_attention.counts.calls - before[0]
+        masked = decode_attention.counts.masked - before[1]
+        if calls != full or masked:
+            log.info("decode attention: masked (%d of %d layers fused)", calls - masked, full)
+            return False
+        log.info("decode attention: fused kernel, rows of any length, no mask")
+        return True
 
     def launch(self, batch: Batch, decode_inputs: mx.array | None) -> None:
         """Build the batch's one forward and queue it; nothing here blocks."""
@@ -114,12 +139,18 @@ class Runner:
         for r in batch.rows:
             lengths[r.row] = 1
         plan = StepRows(list(range(len(starts))), starts, lengths, width=1)
-        return self.pool.ragged_view(plan, self.ladders.pad_decode_kv(max(starts) + 1))
+        kv_len = self.ladders.pad_decode_kv(max(starts) + 1)
+        return self.pool.ragged_view(plan, kv_len, fused=self.fused_decode)
 
     def _forward(self, tokens: mx.array, cache: list[EntryCache]) -> mx.array:
         view = self.pool.view
-        self.shapes_seen.add((*tokens.shape, getattr(view, "length", -1)))
+        # NOTE: a fused decode over full-attention layers only has no key-length dimension.
+        keys = -1 if self._keyless(view) else getattr(view, "length", -1)
+        self.shapes_seen.add((*tokens.shape, keys))
         return self.model(tokens, cache=cache)
+
+    def _keyless(self, view) -> bool:
+        return getattr(view, "fused", False) and not self._windows
 
     # -- warm-up -------------------------------------------------------------------------------
     def warm_up(
@@ -136,7 +167,9 @@ class Runner:
             if time.monotonic() - t0 > deadline_s:
                 log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
                 break
-            logits = self._forward(tokens, self.pool.ragged_view(plan, kv_len))
+            decode = tokens.shape[1] == 1
+            view = self.pool.ragged_view(plan, kv_len, fused=decode and self.fused_decode)
+            logits = self._forward(tokens, view)
             state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
             mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
             done += 1
@@ -149,8 +182,10 @@ class Runner:
             yield self._warm_decode(2, lad.kv[0])
             yield self._warm_prefill(1, lad.widths[0])
             return
+        # NOTE: a fused decode's keys are no dimension of its shape (`_keyless`): one per rows.
+        keys = lad.kv[:1] if self.fused_decode and not self._windows else lad.kv
         for n in lad.rows[1:]:  # NOTE: one row decodes on mlx-lm's own path, no shape to warm
-            for kv_len in lad.kv:
+            for kv_len in keys:
                 yield self._warm_decode(n, kv_len)
         for width in lad.widths:
             for n in lad.rows:

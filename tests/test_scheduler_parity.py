@@ -18,6 +18,7 @@ from scheduler_util import (
 )
 
 from engine.sampling_params import SamplingParams
+from scheduler_proc import decode_attention
 
 # NOTE: 17 and 33 leave a one-token last chunk at chunk size 16; 1 is a one-token prompt.
 PROMPT_LENS = [1, 2, 15, 16, 17, 33, 64, 100, 257, 300, 511, 700, 1023, 1100, 1500, 5, 40, 9]
@@ -43,10 +44,13 @@ def qwen3(tiny_qwen3_weights_dir):
     return tiny_model(tiny_qwen3_weights_dir)
 
 
-def _check_parity(model, overlap: bool, buckets: bool = False) -> None:
+def _check_parity(model, overlap: bool, buckets: bool = False, fused: bool = False) -> None:
     sched = make_scheduler(
         model, chunked_prefill_size=16, max_prefill_tokens=64, disable_overlap=not overlap
     )
+    fused = fused or decode_attention.available()  # NOTE: on CUDA the fused path is the default
+    assert sched.runner.fused_decode is fused
+    fused_before = decode_attention.counts.calls
     if buckets:
         bucketed(sched)
     forwards = count_forwards(sched)
@@ -66,6 +70,7 @@ def _check_parity(model, overlap: bool, buckets: bool = False) -> None:
     # NOTE: one model forward per step, prefill steps and decode steps alike.
     assert forwards == [1] * stats["steps_launched"]
     assert stats["steps_prefill"] > 0 and stats["steps_decode"] > 0
+    assert (decode_attention.counts.calls > fused_before) is fused
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
@@ -81,6 +86,16 @@ def test_greedy_parity_with_gpu_shape_buckets_after_the_warm_up(llama, overlap):
 
 def test_greedy_parity_qwen3(qwen3):
     _check_parity(qwen3, overlap=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_greedy_parity_with_the_fused_decode(llama, fused_decode, overlap):
+    """Decode steps over whole buffers and row lengths (the CUDA path), bucketed shapes."""
+    _check_parity(llama, overlap, buckets=True, fused=True)
+
+
+def test_greedy_parity_qwen3_with_the_fused_decode(qwen3, fused_decode):
+    _check_parity(qwen3, overlap=True, fused=True)
 
 
 def test_overlap_and_sync_agree_with_eos(llama):

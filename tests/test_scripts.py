@@ -46,6 +46,16 @@ def test_a_failed_venv_creation_is_not_left_behind(tmp_path):
 
 SCRIPT_RUNS = {
     "bench_kv_cache.py": ["--batch", "2", "--length", "32"],
+    "bench_decode_attention.py": [
+        "--batch",
+        "2",
+        "--context",
+        "8",
+        "--row-len",
+        "16",
+        "--iters",
+        "1",
+    ],
     "bench_decode_step.py": ["--batch", "2", "--context", "8", "--steps", "2"],
     "profile_decode.py": ["--batch", "2", "--context", "8", "--steps", "1"],
     "bench_scheduler.py": [
@@ -59,7 +69,7 @@ SCRIPT_RUNS = {
 def test_benchmark_scripts_run_on_a_tiny_model(script, tiny_weights_dir):
     """The benchmarks use the scheduler's internals; a tiny run keeps them from rotting."""
     argv = [sys.executable, str(ROOT / "scripts" / script), *SCRIPT_RUNS[script]]
-    if script != "bench_kv_cache.py":
+    if script not in ("bench_kv_cache.py", "bench_decode_attention.py"):  # NOTE: no model
         argv += ["--model", str(tiny_weights_dir)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
