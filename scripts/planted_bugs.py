@@ -25,6 +25,7 @@ DEFAULT_TESTS = (
     "tests/test_model_families.py",
     "tests/test_context_sensitive.py",
     "tests/test_scheduler_parity.py",
+    "tests/test_decode_attention.py",
     "tests/test_prefix_cache_parity.py",
     "tests/test_scheduler_lifecycle.py",
 )
@@ -122,6 +123,18 @@ BUGS = (
         "scheduler_proc/runner.py",
         "self.uniform_prefill = not padding_keeps_state(model, pool.layout)",
         "self.uniform_prefill = False",
+    ),
+    Bug(
+        "fused decode: each row's newest key left out of its length",
+        "scheduler_proc/kv_cache.py",
+        "return self._ends if self.fused and window is None else None",
+        "return self._ends - 1 if self.fused and window is None else None",
+    ),
+    Bug(
+        "fused decode's masked twin lets each row see one key past its end",
+        "scheduler_proc/decode_attention.py",
+        "< mx.maximum(lengths, 1)[:, None]",
+        "< mx.maximum(lengths, 1)[:, None] + 1",
     ),
     Bug(
         "prefill chunk starts at 0 instead of the cached length",
