@@ -57,6 +57,11 @@ class EngineConfig:
     warmup: str = _opt(
         "auto", "Run every bucketed step shape once before READY: auto (on a GPU), on, off"
     )
+    fused_decode: str = _opt(
+        "auto",
+        "Decode attention over rows of any length in one fused kernel: auto (on CUDA, whose own "
+        "kernel takes no mask), on, off (MLX's attention with a per-row mask)",
+    )
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     max_frame_bytes: int = _opt(
         8 << 20, "Largest client frame (bytes); 4x this drops the connection"
@@ -137,8 +142,9 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
-        if self.warmup not in ON_OFF_AUTO:
-            raise ValueError(f"warmup must be auto, on or off, got {self.warmup}")
+        for name in ("warmup", "fused_decode"):
+            if getattr(self, name) not in ON_OFF_AUTO:
+                raise ValueError(f"{name} must be auto, on or off, got {getattr(self, name)}")
         if not self.api_key and not _loopback(self.host):
             raise ValueError(
                 f"--host {self.host} accepts clients from other machines: set --api-key (or "

@@ -165,8 +165,8 @@ def _on_cuda() -> bool:
 
 
 def available() -> bool:
-    """Whether decode steps take the fused path: on MLX's CUDA backend, whose own fused decode
-    kernel takes no mask (Metal's takes it; the CPU has no fused kernel to lose)."""
+    """Whether `--fused-decode auto` takes the fused path: on MLX's CUDA backend, whose own fused
+    decode kernel takes no mask (Metal's takes it; the CPU has no fused kernel to lose)."""
     return _on_cuda()
 
 

@@ -72,6 +72,7 @@ SCHEDULER_OPTIONS = (
     "disable_overlap",
     "disable_radix_cache",
     "warmup",
+    "fused_decode",
     "seed",
 )
 

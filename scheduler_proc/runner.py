@@ -32,7 +32,9 @@ def row_params(req: Req) -> RowParams:
 
 
 class Runner:
-    def __init__(self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders) -> None:
+    def __init__(
+        self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders, fused: str = "auto"
+    ) -> None:
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
         # NOTE: when padding inside a row reaches a recurrent state (`state_padding`), a prefill
         # step's chunks are all equally long and run unpadded (`scheduler._uniform_chunks`).
@@ -43,7 +45,9 @@ class Runner:
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.shapes_warmed = 0  # of those, run by the warm-up
         self._windows = any(s.window is not None for s in pool.shapes)
-        self.fused_decode = decode_attention.available() and self._check_fused()
+        # NOTE: "on" off CUDA runs the kernel's masked twin: the same plumbing, for tests.
+        want = fused == "on" or (fused == "auto" and decode_attention.available())
+        self.fused_decode = want and self._check_fused()
 
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run

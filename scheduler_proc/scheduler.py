@@ -97,7 +97,7 @@ class Scheduler:
             self.prefix = PrefixCache(store_kv, self.pool, window=self.pool.ring_window)
         self.rows = RowTable(self.pool)
         self.ladders = Ladders.for_pool(self.pool.rows, self.pool.row_len, self.chunk, exact=on_cpu)
-        self.runner = Runner(model, self.pool, self.vocab, self.ladders)
+        self.runner = Runner(model, self.pool, self.vocab, self.ladders, config.fused_decode)
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook

@@ -73,13 +73,3 @@ def raw(engine):
 
     with raw_dealer(engine.address) as ask:
         yield ask
-
-
-@pytest.fixture
-def fused_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA decode path's plumbing on any backend: decode steps hand attention the whole
-    buffers and each row's length (`scheduler_proc.decode_attention`; its masked twin runs here,
-    the kernel itself only on CUDA)."""
-    from scheduler_proc import decode_attention
-
-    monkeypatch.setattr(decode_attention, "available", lambda: True)

@@ -71,9 +71,7 @@ def test_the_kernel_attends_to_each_rows_own_keys(heads, kv_heads, dim, dtype):
     assert not mx.any(out[1] != 0).item()  # NOTE: a pad row gives zeros
 
 
-def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(
-    tiny_weights_dir, fused_decode, monkeypatch
-):
+def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(tiny_weights_dir, monkeypatch):
     """The start-up check: a layer that bypasses the rebound name would read whole buffers
     unmasked, so the runner keeps the masked path for such a model."""
     model = tiny_model(tiny_weights_dir)
@@ -82,7 +80,7 @@ def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     monkeypatch.setattr(llama_module, "scaled_dot_product_attention", own_attention)
-    assert make_scheduler(model).runner.fused_decode is False
+    assert make_scheduler(model, fused_decode="on").runner.fused_decode is False
     monkeypatch.undo()
-    monkeypatch.setattr(decode_attention, "available", lambda: True)
-    assert make_scheduler(model).runner.fused_decode is True
+    assert make_scheduler(model, fused_decode="on").runner.fused_decode is True
+    assert make_scheduler(model, fused_decode="off").runner.fused_decode is False

@@ -46,7 +46,11 @@ def qwen3(tiny_qwen3_weights_dir):
 
 def _check_parity(model, overlap: bool, buckets: bool = False, fused: bool = False) -> None:
     sched = make_scheduler(
-        model, chunked_prefill_size=16, max_prefill_tokens=64, disable_overlap=not overlap
+        model,
+        chunked_prefill_size=16,
+        max_prefill_tokens=64,
+        disable_overlap=not overlap,
+        fused_decode="on" if fused else "auto",
     )
     fused = fused or decode_attention.available()  # NOTE: on CUDA the fused path is the default
     assert sched.runner.fused_decode is fused
@@ -89,12 +93,12 @@ def test_greedy_parity_qwen3(qwen3):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_greedy_parity_with_the_fused_decode(llama, fused_decode, overlap):
+def test_greedy_parity_with_the_fused_decode(llama, overlap):
     """Decode steps over whole buffers and row lengths (the CUDA path), bucketed shapes."""
     _check_parity(llama, overlap, buckets=True, fused=True)
 
 
-def test_greedy_parity_qwen3_with_the_fused_decode(qwen3, fused_decode):
+def test_greedy_parity_qwen3_with_the_fused_decode(qwen3):
     _check_parity(qwen3, overlap=True, fused=True)
 
 
