@@ -58,10 +58,12 @@ class Runner:
         full = sum(s.window is None for s in self.pool.shapes)
         before = (decode_attention.counts.calls, decode_attention.counts.masked)
         tokens, plan, kv_len = self._warm_decode(2, self.ladders.kv[0])
+        # NOTE: a kernel that fails to build, or a layer handed whole buffers without asking for
+        # lengths (KV shared across layers: MLX refuses the shapes), keeps the masked path.
         try:
             mx.eval(self.model(tokens, cache=self.pool.ragged_view(plan, kv_len, fused=True)))
-        except Exception as e:  # NOTE: a kernel that fails to build must not stop the engine
-            log.warning("decode attention: masked (the fused kernel failed: %s)", e)
+        except Exception as e:
+            log.warning("decode attention: masked (the fused forward failed: %s)", e)
             return False
         calls = decode_attention.counts.calls - before[0]
         masked = decode_attention.counts.masked - before[1]
