@@ -106,7 +106,12 @@ def _floats(text: str | None) -> tuple[float, ...]:
 @click.option("--model", help="Model dir or .gguf for started servers (default: SmolLM2-135M).")
 @click.option("--launch-args", default="", help="Extra `mlx-engine launch` options, one string.")
 @click.option("--launch-log", type=click.Path(dir_okay=False, path_type=Path), help="Engine log.")
-@click.option("--compare", default="", help="Also start and measure a peer: mlx-lm.")
+@click.option(
+    "--compare",
+    default="",
+    help="Also start and measure a peer: mlx-lm (as shipped, and on Linux CPU also in the "
+    "engine's BLAS + float32 environment), or mlx-lm-env (only the latter).",
+)
 @click.option("--workload", default="random", type=click.Choice(["random", "jsonl", "multiturn"]))
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--num-requests", default=64, help="Requests per load level.")

@@ -127,3 +127,18 @@ def test_plot_of_a_single_load_level(tmp_path):
     level = Level(Load(16), summarize([]))
     plot(tmp_path / "one.png", [EngineResult("a", levels=[level])], "t")
     assert (tmp_path / "one.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the BLAS + float32 peer is Linux CPU's")
+@pytest.mark.parametrize(
+    "compare,peers",
+    [((), 0), (("mlx-lm",), 2), (("mlx-lm-env",), 1), (("mlx-lm", "mlx-lm-env"), 2)],
+)
+def test_compare_starts_the_peers_asked_for(compare, peers, tiny_model_dir):
+    """`mlx-lm-env`: only mlx_lm.server in the engine's environment (the shipped one is slow)."""
+    from engine.bench import run
+    from engine.cpu_backend import BackendInfo
+
+    cfg = run.BenchConfig(model=str(tiny_model_dir), compare=compare).validate()
+    started = list(run._servers(cfg, BackendInfo(blas="OpenBLAS", optimized=True)))
+    assert len(started) == 1 + peers  # NOTE: the engine, then the peers (none started here)

@@ -27,7 +27,9 @@ from engine.bench.workload import (
     random_workload,
 )
 
-PEERS = ("mlx-lm",)
+# NOTE: mlx-lm: mlx_lm.server as a user starts it, and (Linux CPU) in the engine's BLAS + float32
+# environment; mlx-lm-env: only the latter (the shipped one runs at ~2 tok/s on a small CPU).
+PEERS = ("mlx-lm", "mlx-lm-env")
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def _servers(cfg: BenchConfig, info: Any) -> Iterator[Any]:
         port = servers.free_port()
         cmd = servers.engine_command(cfg.model, cfg.launch_args, port)
         yield _started("mlx-engine", cmd, port, eos, None, cfg.launch_log)
-    if "mlx-lm" not in cfg.compare:
+    if not set(cfg.compare) & set(PEERS):
         return
     from engine.models import resolve_model_dir
 
@@ -142,9 +144,10 @@ def _servers(cfg: BenchConfig, info: Any) -> Iterator[Any]:
     bias = {"logit_bias": {str(t): -1e9 for t in servers.eos_token_ids(model_dir)}}
     extra = bias if cfg.ignore_eos else {}
     plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    port = servers.free_port()
-    name = "mlx_lm.server (as shipped)"
-    yield _started(name, servers.mlx_lm_command(model_dir, port), port, extra, plain)
+    if "mlx-lm" in cfg.compare:
+        port = servers.free_port()
+        name = "mlx_lm.server (as shipped)"
+        yield _started(name, servers.mlx_lm_command(model_dir, port), port, extra, plain)
     if sys.platform == "linux" and info.optimized:
         from engine.cpu_backend import child_env
 
