@@ -57,19 +57,24 @@ def test_decode_logprobs_equal_mlx_lm(model):
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
 
 
-def _prompt_peak_bytes(model, rows: int, prompt_len: int) -> tuple[int, int]:
+def _prompt_peak_bytes(
+    model, rows: int, prompt_len: int, requests: int = 1, max_tokens: int = 1, fused: str = "off"
+) -> tuple[int, int]:
     sched = make_scheduler(
         model,
         max_running_requests=rows,
         max_total_tokens=(rows + 1) * 2048,
         context_length=2048,
         disable_radix_cache=True,
+        fused_decode=fused,
     )
-    prompt = random_prompt(random.Random(2), prompt_len)
+    rng = random.Random(2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    arrivals = {i: [(f"p{i}", random_prompt(rng, prompt_len + i), params)] for i in range(requests)}
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    drive(sched, {0: [("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))]})
+    drive(sched, arrivals)
     return mx.get_peak_memory() - base, sched.pool.nbytes
 
 
@@ -83,3 +88,16 @@ def test_a_prompt_costs_no_copy_of_the_pool(model):
         small, _ = _prompt_peak_bytes(model, rows=3, prompt_len=n)
         big, pool = _prompt_peak_bytes(model, rows=63, prompt_len=n)
         assert big - small < pool / 16, (n, small, big, pool)
+
+
+@pytest.mark.parametrize("fused", ["off", "on"], ids=["masked", "fused"])
+def test_decode_steps_cost_no_copy_of_the_pool(model, fused):
+    """Ragged decode steps (rows of different lengths), masked or through the fused path's
+    whole-buffer reads: peak memory does not grow with the pool."""
+    small, _ = _prompt_peak_bytes(
+        model, rows=5, prompt_len=30, requests=4, max_tokens=8, fused=fused
+    )
+    big, pool = _prompt_peak_bytes(
+        model, rows=63, prompt_len=30, requests=4, max_tokens=8, fused=fused
+    )
+    assert big - small < pool / 16, (small, big, pool)
