@@ -41,19 +41,24 @@ __device__ inline float warp_sum(float v) {
 
 # NOTE: q (B, KVH * G, 1, D); k, v (rows, KVH, L_MAX, D) with row b of the step in pool row b;
 # lengths (B,) keys per row (0: a pad row, output zeros); scale (1,) float32. Template constants:
-# T, D, G (query heads per KV head), KVH, L_MAX.
-_SOURCE = """
+# T, D, G (query heads per KV head), KVH, L_MAX. Blocks: (split, KV head, row); a split walks
+# its share of the row's keys, in whole tiles (one split: the whole row, and the final output).
+_BODY = """
   constexpr int NT = 128;
   constexpr int NW = NT / 32;
   constexpr int OUT = (G * D + NT - 1) / NT;
   constexpr int VEC = 16 / sizeof(T);
   const float NEG_INF = __int_as_float(0xff800000);
+  const int split = blockIdx.x;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
   const int t = threadIdx.x;
   const int lane = t % 32;
   const int warp = t / 32;
   const int len = lengths[b];
+  const int per = (len + gridDim.x * NT - 1) / (gridDim.x * NT) * NT;
+  const int k0 = split * per;
+  const int k1 = min(len, k0 + per);
 
   __shared__ float qs[G][D];
   __shared__ float ps[G][NT];
@@ -77,11 +82,11 @@ _SOURCE = """
   const size_t row0 = ((size_t)b * KVH + kvh) * (size_t)L_MAX * D;
   const T* kb = k + row0;
   const T* vb = v + row0;
-  for (int start = 0; start < len; start += NT) {
+  for (int start = k0; start < k1; start += NT) {
     const int key = start + t;
     float s[G];
     for (int g = 0; g < G; g++) s[g] = 0.0f;
-    if (key < len) {
+    if (key < k1) {
       // NOTE: 16-byte loads: a key row is D * sizeof(T) bytes, a multiple of 16 (`fits`).
       const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)key * D);
 #pragma unroll
@@ -122,7 +127,7 @@ _SOURCE = """
     }
     __syncthreads();
 
-    const int n = min(NT, len - start);
+    const int n = min(NT, k1 - start);
     for (int j = 0; j < OUT; j++) {
       const int i = t + j * NT;
       if (i < G * D) {
@@ -137,6 +142,10 @@ _SOURCE = """
     __syncthreads();
   }
 
+"""
+
+# NOTE: one split: normalise and write the output.
+_FINAL = """
   for (int j = 0; j < OUT; j++) {
     const int i = t + j * NT;
     if (i < G * D) {
@@ -144,6 +153,44 @@ _SOURCE = """
       out[head0 * D + i] = static_cast<T>(len > 0 ? acc[j] / l : 0.0f);
     }
   }
+"""
+
+# NOTE: several splits: each writes its unnormalised sums, running max and sum (float32);
+# `_COMBINE` merges them. A split without keys writes max -inf and sums 0.
+_PARTIAL = """
+  const size_t part = ((size_t)b * KVH + kvh) * gridDim.x + split;
+  for (int j = 0; j < OUT; j++) {
+    const int i = t + j * NT;
+    if (i < G * D) o_part[part * G * D + i] = acc[j];
+  }
+  if (t < G) {
+    m_part[part * G + t] = m_run[t];
+    l_part[part * G + t] = l_run[t];
+  }
+"""
+
+# NOTE: threads (G * D, KVH, B); S splits per (row, KV head).
+_COMBINE = """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= G * D) return;
+  const float NEG_INF = __int_as_float(0xff800000);
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int g = i / D;
+  const size_t base = ((size_t)b * KVH + kvh) * S;
+  float top = NEG_INF;
+  for (int s = 0; s < S; s++) top = fmaxf(top, m_part[(base + s) * G + g]);
+  float num = 0.0f;
+  float den = 0.0f;
+  for (int s = 0; s < S; s++) {
+    const float m = m_part[(base + s) * G + g];
+    if (m != NEG_INF) {
+      const float w = __expf(m - top);
+      num += w * o_part[(base + s) * G * D + i];
+      den += w * l_part[(base + s) * G + g];
+    }
+  }
+  out[(((size_t)b * KVH + kvh) * G) * D + i] = static_cast<T>(den > 0.0f ? num / den : 0.0f);
 """
 
 _scales: dict[float, mx.array] = {}
@@ -184,46 +231,84 @@ def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:
 
 
 def decode_attention(
-    q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, scale: float
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    lengths: mx.array,
+    scale: float,
+    max_len: int | None = None,
+    splits: int | None = None,
 ) -> mx.array:
     """softmax(q k^T * scale) v for q (B, H, 1, D) over the first `lengths[b]` keys of row b
-    of k, v (rows, KVH, L, D); a row of length 0 (padding) gives zeros."""
+    of k, v (rows, KVH, L, D); a row of length 0 (padding) gives zeros. `max_len` bounds the
+    lengths (host side; default L); `splits` per row (default: `split_count`)."""
     if not _on_cuda():
         return _masked(q, k, v, lengths, scale)
-    return _run_kernel(q, k, v, lengths, scale)
-
-
-@functools.cache
-def _build() -> Any:
-    """Built once; NVRTC compiles one variant per template (dtype, head shape, row length)."""
-    return mx.fast.cuda_kernel(
-        name="varlen_decode_attention",
-        input_names=["q", "k", "v", "lengths", "scale"],
-        output_names=["out"],
-        source=_SOURCE,
-        header=_HEADER,
-    )
-
-
-def _run_kernel(q: mx.array, k: mx.array, v: mx.array, lengths: mx.array, scale: float):
     b, heads, _, dim = q.shape
-    kv_heads, l_max = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
+    n = splits or split_count(b * kv_heads, max_len or k.shape[2])
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
-    return _build()(
-        inputs=[q, k, v, lengths, _scales[scale]],
-        template=[
-            ("T", q.dtype),
-            ("D", dim),
-            ("G", heads // kv_heads),
-            ("KVH", kv_heads),
-            ("L_MAX", l_max),
-        ],
-        grid=(_TILE, kv_heads, b),
-        threadgroup=(_TILE, 1, 1),
+    template = [
+        ("T", q.dtype),
+        ("D", dim),
+        ("G", heads // kv_heads),
+        ("KVH", kv_heads),
+        ("L_MAX", k.shape[2]),
+    ]
+    inputs = [q, k, v, lengths, _scales[scale]]
+    shape = dict(grid=(_TILE * n, kv_heads, b), threadgroup=(_TILE, 1, 1), template=template)
+    if n == 1:
+        return _kernel("final")(
+            inputs=inputs, output_shapes=[q.shape], output_dtypes=[q.dtype], **shape
+        )[0]
+    g = heads // kv_heads
+    parts = _kernel("partial")(
+        inputs=inputs,
+        output_shapes=[(b, kv_heads, n, g, dim), (b, kv_heads, n, g), (b, kv_heads, n, g)],
+        output_dtypes=[mx.float32] * 3,
+        **shape,
+    )
+    width = min(g * dim, 256)
+    return _kernel("combine")(
+        inputs=parts,
+        template=[("T", q.dtype), ("D", dim), ("G", g), ("KVH", kv_heads), ("S", n)],
+        grid=(g * dim, kv_heads, b),
+        threadgroup=(width, 1, 1),
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]
+
+
+def split_count(blocks: int, max_len: int, target: int = 256) -> int:
+    """Splits per (row, KV head): enough blocks to fill a large GPU (`target`), each split at
+    least one tile of keys, a power of two up to 32."""
+    n = 1
+    while blocks * n < target and n < 32 and (2 * n) * _TILE <= max_len:
+        n *= 2
+    return n
+
+
+@functools.cache
+def _kernel(kind: str) -> Any:
+    """Built once each; NVRTC compiles one variant per template (dtype, head shape, row length)."""
+    io = {
+        "final": (["q", "k", "v", "lengths", "scale"], ["out"], _BODY + _FINAL),
+        "partial": (
+            ["q", "k", "v", "lengths", "scale"],
+            ["o_part", "m_part", "l_part"],
+            _BODY + _PARTIAL,
+        ),
+        "combine": (["o_part", "m_part", "l_part"], ["out"], _COMBINE),
+    }
+    inputs, outputs, source = io[kind]
+    return mx.fast.cuda_kernel(
+        name=f"varlen_decode_attention_{kind}",
+        input_names=inputs,
+        output_names=outputs,
+        source=source,
+        header=_HEADER,
+    )
 
 
 def _masked(q, k, v, lengths, scale, sinks=None) -> mx.array:
@@ -238,15 +323,16 @@ def _masked(q, k, v, lengths, scale, sinks=None) -> mx.array:
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the fused decode where the cache asks."""
-    lengths = getattr(cache, "fused_lengths", None)
-    lengths = lengths() if lengths is not None else None
-    if lengths is None:
+    fused = getattr(cache, "fused_lengths", None)
+    fused = fused() if fused is not None else None
+    if fused is None:
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    lengths, max_len = fused
     counts.calls += 1
     if sinks is not None or not fits(queries, keys, values):
         counts.masked += 1
         return _masked(queries, keys, values, lengths, scale, sinks)
-    return decode_attention(queries, keys, values, lengths, scale)
+    return decode_attention(queries, keys, values, lengths, scale, max_len)
 
 
 def install(model: nn.Module) -> int:

@@ -165,9 +165,10 @@ class _RaggedView:
         keys = self.length if ring is None else min(ring, self.length)
         return buf[self._read_rows, :, :keys]
 
-    def fused_ends(self, window: int | None) -> mx.array | None:
-        """Keys per row for a fused full-attention layer (None: the layer takes the mask)."""
-        return self._ends if self.fused and window is None else None
+    def fused_ends(self, window: int | None) -> tuple[mx.array, int] | None:
+        """Keys per row for a fused full-attention layer, and a host bound on them (None: the
+        layer takes the mask)."""
+        return (self._ends, self.length) if self.fused and window is None else None
 
     def mask(
         self, n: int, return_array: bool, window_size: int | None, ring: int | None = None
@@ -257,8 +258,9 @@ class LayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._pool.update(self._layer, keys, values)
 
-    def fused_lengths(self) -> mx.array | None:
-        """Keys per row when this layer's attention runs the fused decode (`decode_attention`)."""
+    def fused_lengths(self) -> tuple[mx.array, int] | None:
+        """Keys per row (and their host bound) when this layer's attention runs the fused decode
+        (`decode_attention`)."""
         ends = getattr(self._pool.view, "fused_ends", None)
         return ends(self._window) if ends is not None else None
 

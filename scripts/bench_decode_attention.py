@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", default="16,64,128", help="comma list of row counts")
-    p.add_argument("--context", type=int, default=600, help="longest row; rows from half of it")
+    p.add_argument("--context", default="600", help="longest row (comma list); rows from half")
     p.add_argument("--row-len", type=int, default=4096, help="pool row length (buffer keys)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -64,25 +64,28 @@ def measure(args: argparse.Namespace, b: int) -> str:
     from scheduler_proc import decode_attention as da
 
     mx.random.seed(b)
-    lens = mx.random.randint(args.context // 2, args.context + 1, (b,)).astype(mx.int32)
-    lens[0] = args.context
+    lens = mx.random.randint(args.keys // 2, args.keys + 1, (b,)).astype(mx.int32)
+    lens[0] = args.keys
     shape = (b + 1, args.kv_heads, args.row_len, args.dim)
     k = mx.random.normal(shape).astype(mx.bfloat16)
     v = mx.random.normal(shape).astype(mx.bfloat16)
     q = mx.random.normal((b, args.heads, 1, args.dim)).astype(mx.bfloat16)
     mx.eval(k, v, q, lens)
-    n, scale = args.context, args.dim**-0.5
+    n, scale = args.keys, args.dim**-0.5
     mask = (mx.arange(n)[None] < lens[:, None])[:, None, None]
     ks, vs = k[:b, :, :n], v[:b, :, :n]
     sdpa = mx.fast.scaled_dot_product_attention
     equal = timed(chain(q, lambda x: sdpa(x, ks, vs, scale=scale)), args.iters)
     masked = timed(chain(q, lambda x: sdpa(x, ks, vs, scale=scale, mask=mask)), args.iters)
-    fused = timed(chain(q, lambda x: da.decode_attention(x, k, v, lens, scale)), args.iters)
-    diff = da.decode_attention(q, k, v, lens, scale) - sdpa(q, ks, vs, scale=scale, mask=mask)
+    one = timed(chain(q, lambda x: da.decode_attention(x, k, v, lens, scale, splits=1)), args.iters)
+    fused = timed(chain(q, lambda x: da.decode_attention(x, k, v, lens, scale, n)), args.iters)
+    diff = da.decode_attention(q, k, v, lens, scale, n) - sdpa(q, ks, vs, scale=scale, mask=mask)
     err = mx.max(mx.abs(diff.astype(mx.float32))).item()
-    return (f"B={b:4d} | us per call: mlx equal {equal * 1e6:8.1f} | mlx mask "
-            f"{masked * 1e6:8.1f} | fused {fused * 1e6:8.1f} | fused/equal "
-            f"{fused / equal:.2f} | max |fused - mask| {err:.2e}")  # fmt: skip
+    splits = da.split_count(b * args.kv_heads, n)
+    return (f"B={b:4d} keys<={n} | us per call: mlx equal {equal * 1e6:8.1f} | mlx mask "
+            f"{masked * 1e6:8.1f} | fused one pass {one * 1e6:8.1f} | fused {splits} split(s) "
+            f"{fused * 1e6:8.1f} | fused/equal {fused / equal:.2f} | max |fused - mask| "
+            f"{err:.2e}")  # fmt: skip
 
 
 def main() -> None:
@@ -92,9 +95,11 @@ def main() -> None:
     from scheduler_proc import decode_attention as da
 
     print(f"{mx.default_device()} | kernel: {da.available()} | heads {args.heads}/{args.kv_heads}"
-          f" dim {args.dim} bf16 | keys up to {args.context}, buffers of {args.row_len}")  # fmt: skip
-    for b in args.batch.split(","):
-        print(measure(args, int(b)), flush=True)
+          f" dim {args.dim} bf16 | buffers of {args.row_len} keys")  # fmt: skip
+    for context in args.context.split(","):
+        args.keys = int(context)
+        for b in args.batch.split(","):
+            print(measure(args, int(b)), flush=True)
 
 
 if __name__ == "__main__":

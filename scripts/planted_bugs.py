@@ -127,8 +127,8 @@ BUGS = (
     Bug(
         "fused decode: each row's newest key left out of its length",
         "scheduler_proc/kv_cache.py",
-        "return self._ends if self.fused and window is None else None",
-        "return self._ends - 1 if self.fused and window is None else None",
+        "return (self._ends, self.length) if self.fused",
+        "return (self._ends - 1, self.length) if self.fused",
     ),
     Bug(
         "fused decode's masked twin lets each row see one key past its end",

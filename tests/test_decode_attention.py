@@ -61,14 +61,37 @@ def test_the_masked_twin_attends_to_each_rows_own_keys(heads, kv_heads, dim):
 @pytest.mark.parametrize(
     "heads,kv_heads,dim", [(32, 8, 64), (16, 16, 128), (8, 1, 256), (9, 3, 64)]
 )
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_the_kernel_attends_to_each_rows_own_keys(heads, kv_heads, dim, dtype):
+    """Few rows: each row's keys split across blocks and merged (rows of 0 to 1100 keys, so
+    some splits get no key)."""
+    _check_kernel(heads, kv_heads, dim, dtype, splits=None)
+
+
+@pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend")
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-pass", "three"])
+def test_the_kernel_in_one_pass_or_an_odd_split(splits):
+    _check_kernel(32, 8, 64, mx.bfloat16, splits)
+
+
+def _check_kernel(heads: int, kv_heads: int, dim: int, dtype, splits: int | None) -> None:
     q, k, v, lengths = _rows(heads, kv_heads, dim, LENGTHS, dtype)
-    out = decode_attention.decode_attention(q, k, v, lengths, dim**-0.5)
+    if splits is None:
+        assert decode_attention.split_count(len(LENGTHS) * kv_heads, max(LENGTHS)) > 1
+    out = decode_attention.decode_attention(q, k, v, lengths, dim**-0.5, splits=splits)
     # NOTE: MLX's float32 attention on CUDA multiplies in TF32: the reference is the coarse one.
     tol = 2e-3 if dtype == mx.float32 else 2e-2
     _assert_rows_match(out, _each_row(q, k, v, LENGTHS, dim**-0.5), tol)
     assert not mx.any(out[1] != 0).item()  # NOTE: a pad row gives zeros
+
+
+def test_few_rows_split_their_keys_across_blocks():
+    """Enough blocks to fill a large GPU, never a split without a whole tile of keys."""
+    assert decode_attention.split_count(blocks=512, max_len=600) == 1
+    assert decode_attention.split_count(blocks=128, max_len=600) == 2
+    assert decode_attention.split_count(blocks=16, max_len=4096) == 16
+    assert decode_attention.split_count(blocks=8, max_len=4096) == 32
+    assert decode_attention.split_count(blocks=8, max_len=300) == 2
 
 
 def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(tiny_weights_dir, monkeypatch):
