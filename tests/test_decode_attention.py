@@ -87,11 +87,12 @@ def _check_kernel(heads: int, kv_heads: int, dim: int, dtype, splits: int | None
 
 def test_few_rows_split_their_keys_across_blocks():
     """Enough blocks to fill a large GPU, never a split without a whole tile of keys."""
-    assert decode_attention.split_count(blocks=512, max_len=600) == 1
-    assert decode_attention.split_count(blocks=128, max_len=600) == 2
+    assert decode_attention.split_count(blocks=512, max_len=4096) == 1
     assert decode_attention.split_count(blocks=16, max_len=4096) == 16
     assert decode_attention.split_count(blocks=8, max_len=4096) == 32
-    assert decode_attention.split_count(blocks=8, max_len=300) == 2
+    assert decode_attention.split_count(blocks=16, max_len=1100) == 8
+    # NOTE: short rows run in one pass whatever the row count: the merge would cost more
+    assert decode_attention.split_count(blocks=8, max_len=600) == 1
 
 
 def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(tiny_weights_dir, monkeypatch):
