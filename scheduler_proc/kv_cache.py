@@ -163,7 +163,9 @@ class _RaggedView:
         if self.fused and window is None:
             return buf  # NOTE: `fused_ends` bounds each row's keys
         keys = self.length if ring is None else min(ring, self.length)
-        return buf[self._read_rows, :, :keys]
+        # NOTE: slice the keys first, then pick the rows: `buf[rows, :, :keys]` gathers whole
+        # rows before slicing (CPU, 11 rows of a 4096-token pool: 18 ms per layer vs 0.3 ms).
+        return buf[:, :, :keys][self._read_rows]
 
     def fused_ends(self, window: int | None) -> tuple[mx.array, int] | None:
         """Keys per row for a fused full-attention layer, and a host bound on them (None: the

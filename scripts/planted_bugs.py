@@ -137,6 +137,12 @@ BUGS = (
         "< mx.maximum(lengths, 1)[:, None] + 1",
     ),
     Bug(
+        "a prefill step gathers its rows whole before slicing their keys",
+        "scheduler_proc/kv_cache.py",
+        "return buf[:, :, :keys][self._read_rows]",
+        "return buf[self._read_rows][:, :, :keys]",
+    ),
+    Bug(
         "prefill chunk starts at 0 instead of the cached length",
         "scheduler_proc/scheduler.py",
         "chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))",
