@@ -9,6 +9,7 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -21,19 +22,19 @@ from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import HttpApi
 
 
-def front_door(tmp_path: Path) -> Frontend:
+def front_door(tmp_path: Path, **options: Any) -> Frontend:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        config = EngineConfig(zmq_port=s.getsockname()[1]).validate()
+        config = EngineConfig(zmq_port=s.getsockname()[1], **options).validate()
     facts = SchedulerFacts("", "m", vocab_size=100, max_context=64)
     # NOTE: token-id prompts never reach the tokenizer; none is needed
     return Frontend(config, Endpoints.create(config, tmp_path), None, facts, print)
 
 
 @contextlib.asynccontextmanager
-async def _served(tmp_path: Path) -> AsyncIterator[tuple[Frontend, TestClient]]:
+async def _served(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Frontend, TestClient]]:
     """A front door with its HTTP API on a test server; both closed on the way out."""
-    frontend = front_door(tmp_path)
+    frontend = front_door(tmp_path, **options)
     client = TestClient(TestServer(HttpApi(frontend).app))
     await client.start_server()
     try:
@@ -108,3 +109,33 @@ def test_a_caller_gone_while_its_prompt_is_tokenized_leaves_no_entry(tmp_path, t
             frontend.close()
 
     assert asyncio.run(scenario()) == (0, False)
+
+
+def test_the_body_limit_is_the_option_and_a_413_naming_it(tmp_path):
+    """`--max-body-bytes`: a body one byte over it is a 413 in OpenAI's format naming the option,
+    declared (Content-Length) or not (chunked); one at the limit is read and judged (a 400 here:
+    its field is unknown)."""
+
+    def body(size: int) -> bytes:
+        head = b'{"pad": "'
+        return head + b"x" * (size - len(head) - 2) + b'"}'
+
+    async def chunked(data: bytes) -> AsyncIterator[bytes]:
+        for i in range(0, len(data), 100):
+            yield data[i : i + 100]
+
+    async def scenario() -> list[tuple[int, dict]]:
+        async with _served(tmp_path, max_body_bytes=1000) as (_, client):
+            out = []
+            for data in (body(1001), chunked(body(1001)), body(1000)):
+                resp = await client.post("/v1/completions", data=data)
+                out.append((resp.status, (await resp.json())["error"]))
+            return out
+
+    (over, over_chunked, at) = asyncio.run(scenario())
+    for status, error in (over, over_chunked):
+        assert status == 413 and error["code"] == "request_too_large", error
+        assert error["param"] == "body" and error["type"] == "invalid_request_error"
+        assert "max_body_bytes=1000 (--max-body-bytes)" in error["message"], error
+    assert "1001 bytes" in over[1]["message"]
+    assert at[0] == 400 and at[1]["param"] == "pad", at

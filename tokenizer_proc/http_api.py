@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.config import EngineConfig
 from engine.errors import (
     EngineDead,
     EngineError,
@@ -26,22 +27,25 @@ from engine.errors import (
 )
 from engine.messages import to_client as tc
 from engine.wire_errors import to_exception
-from tokenizer_proc import openai_api, tool_calls
+from tokenizer_proc import limits, openai_api, tool_calls
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer.http")
 
-# NOTE: a context's worth of text is well under 1 MiB; 8 MiB leaves room for long chats with tools
-# and still refuses a body that only costs memory (413).
-MAX_BODY_BYTES = 8 * 1024 * 1024
 SHUTDOWN_TIMEOUT_S = 2.0
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
+
+class BodyTooLarge(InvalidRequest):
+    """A request body over `--max-body-bytes`: a 413, not a 400."""
+
+
 # exception type -> (HTTP status, OpenAI error type, code)
 STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
     InvalidRequest: (400, "invalid_request_error", None),
+    BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
     Unauthorized: (401, "authentication_error", "invalid_api_key"),
     Overloaded: (429, "rate_limit_error", "overloaded"),
     ShuttingDown: (503, "service_unavailable", "shutting_down"),
@@ -72,7 +76,7 @@ class HttpApi:
         self.core = frontend.core
         self.tokenizer = frontend.tokenizer
         self.app = web.Application(
-            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth]
+            client_max_size=frontend.config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
         self.app.add_routes(
             [
@@ -132,10 +136,10 @@ class HttpApi:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        body = await _json_body(request)
-        limits = self.core.limits
+        body = await _json_body(request, self.fe.config)
+        facts = self.core.limits
         rid = f"http-{uuid.uuid4().hex}"
-        req = openai_api.parse(kind, body, rid, limits.max_context, limits.model)
+        req = openai_api.parse(kind, body, rid, facts.max_context, facts.model)
         owner = ("http", rid)
         try:
             entry = await self.fe.submit(req.generate, owner)
@@ -179,8 +183,16 @@ def _health_response(healthy: bool, detail: str) -> web.Response:
     return _json_response(msgspec.json.encode(body), 200 if healthy else 503)
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # NOTE: raises 413 beyond client_max_size
+async def _json_body(request: web.Request, config: EngineConfig) -> Any:
+    try:
+        # NOTE: a declared size over the limit is refused before any of the body is read.
+        limits.check_body(request.content_length, config)
+        raw = await request.read()
+    except InvalidRequest as e:
+        raise BodyTooLarge(e.field, e.message) from None
+    except web.HTTPRequestEntityTooLarge:  # NOTE: read() stops past client_max_size
+        error = limits.body_error(f"more than {config.max_body_bytes} bytes", config)
+        raise BodyTooLarge(error.field, error.message) from None
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as e:

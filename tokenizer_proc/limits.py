@@ -30,6 +30,16 @@ def check_frame(size: int, config: EngineConfig) -> None:
         raise _limit("frame", f"{size} bytes", "max_frame_bytes", config.max_frame_bytes)
 
 
+def check_body(size: int | None, config: EngineConfig) -> None:
+    """An HTTP body's size (declared, or read so far) within `--max-body-bytes`."""
+    if size is not None and size > config.max_body_bytes:
+        raise body_error(f"{size} bytes", config)
+
+
+def body_error(what: str, config: EngineConfig) -> InvalidRequest:
+    return _limit("body", what, "max_body_bytes", config.max_body_bytes)
+
+
 def nesting_error(config: EngineConfig) -> InvalidRequest:
     """For a frame too deep to decode at all (msgspec raises RecursionError)."""
     return _limit("frame", "nesting", "max_nesting_depth", config.max_nesting_depth)
