@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
@@ -54,6 +55,21 @@ STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
 }
 
 
+class _MalformedHttp(logging.Filter):
+    """aiohttp logs every request it cannot parse (answered 400: the client's fault) at ERROR with
+    a traceback; a stream of junk would flood the log. One line at DEBUG instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, web.RequestPayloadError)):
+            log.debug("malformed HTTP request: %s", str(exc).replace("\n", " "))
+            return False
+        return True
+
+
+MALFORMED_HTTP = _MalformedHttp()
+
+
 def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> bytes:
     error = {"message": message, "type": kind, "param": param, "code": code}
     return msgspec.json.encode({"error": error})
@@ -75,6 +91,7 @@ class HttpApi:
         self.fe = frontend
         self.core = frontend.core
         self.tokenizer = frontend.tokenizer
+        logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP)  # NOTE: once: one object
         self.app = web.Application(
             client_max_size=frontend.config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
@@ -193,10 +210,14 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
     except web.HTTPRequestEntityTooLarge:  # NOTE: read() stops past client_max_size
         error = limits.body_error(f"more than {config.max_body_bytes} bytes", config)
         raise BodyTooLarge(error.field, error.message) from None
+    except web.RequestPayloadError as e:  # NOTE: a body that does not decode (Content-Encoding)
+        raise InvalidRequest("body", f"unreadable: {e}") from None
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise InvalidRequest("body", f"invalid JSON: {e}") from None
+    except RecursionError:  # NOTE: msgspec raises it, not a DecodeError, for ~1000 levels
+        raise limits.nesting_error(config, "body") from None
 
 
 class Reply:

@@ -40,9 +40,9 @@ def body_error(what: str, config: EngineConfig) -> InvalidRequest:
     return _limit("body", what, "max_body_bytes", config.max_body_bytes)
 
 
-def nesting_error(config: EngineConfig) -> InvalidRequest:
-    """For a frame too deep to decode at all (msgspec raises RecursionError)."""
-    return _limit("frame", "nesting", "max_nesting_depth", config.max_nesting_depth)
+def nesting_error(config: EngineConfig, field: str = "frame") -> InvalidRequest:
+    """For a frame or body too deep to decode at all (msgspec raises RecursionError)."""
+    return _limit(field, "nesting", "max_nesting_depth", config.max_nesting_depth)
 
 
 def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> int:

@@ -176,7 +176,10 @@ def _message(i: int, m: Any) -> dict[str, Any]:
             raise InvalidRequest(f"messages[{i}].content", "only text parts are supported")
         m["content"] = "".join(str(p.get("text", "")) for p in content)
     if "tool_calls" in m:
-        m["tool_calls"] = [_tool_call_in(i, c) for c in m["tool_calls"] or []]
+        calls = [] if m["tool_calls"] is None else m["tool_calls"]
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls", "must be a list")
+        m["tool_calls"] = [_tool_call_in(i, c) for c in calls]
     return m
 
 
@@ -185,7 +188,8 @@ def _tool_call_in(i: int, call: Any) -> dict[str, Any]:
         function = dict(call["function"])
         if isinstance(function.get("arguments"), str):
             function["arguments"] = json.loads(function["arguments"] or "{}")
-    except (TypeError, KeyError, ValueError) as e:
+    # NOTE: json.loads raises RecursionError for arguments nested ~1000 deep
+    except (TypeError, KeyError, ValueError, RecursionError) as e:
         raise InvalidRequest(f"messages[{i}].tool_calls", f"malformed tool call: {e}") from None
     return {**call, "function": function}
 
