@@ -41,6 +41,8 @@ def _nested(depth: int) -> object:
     return value
 
 
+HI = [{"role": "user", "content": "hi " * 5}]  # NOTE: 30 characters (keys count), counted with tools
+
 # --- the checks themselves ----------------------------------------------------------------------
 
 SHAPES = [
@@ -51,6 +53,9 @@ SHAPES = [
     (tt.Generate("r", messages=[{"role": "u", "name": "y" * 6_000}]), "messages", "chars"),
     (tt.Generate("r", input_ids=[1], params={"stop": _nested(7)}), "params", "depth"),
     (tt.Generate("r", messages=[{"role": "u", "c": [0] * 30_000}]), "messages", "values"),
+    (tt.Generate("r", messages=HI, tools=[{"function": _nested(6)}]), "tools", "depth"),
+    (tt.Generate("r", messages=HI, tools=[{"function": {"d": "y" * 4_990}}]), "tools", "chars"),
+    (tt.Generate("r", messages=HI, tools=[{"f": [0] * 30_000}]), "tools", "values"),
 ]
 
 
