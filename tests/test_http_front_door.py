@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -139,3 +141,34 @@ def test_the_body_limit_is_the_option_and_a_413_naming_it(tmp_path):
         assert "max_body_bytes=1000 (--max-body-bytes)" in error["message"], error
     assert "1001 bytes" in over[1]["message"]
     assert at[0] == 400 and at[1]["param"] == "pad", at
+
+
+def test_a_stream_whose_client_reset_it_ends_quietly(tmp_path, caplog):
+    """Found by the HTTP fuzzer: a client that resets its connection mid-stream while the rest
+    of its stream is already queued (the handler runs before the reset is noticed, so it is not
+    cancelled) made the last write raise, logged as an unhandled error with a traceback."""
+    body = b'{"prompt": [1, 2], "stream": true, "max_tokens": 3}'
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    request = head.encode() + body
+
+    async def scenario() -> int:
+        async with _served(tmp_path) as (frontend, client):
+            # NOTE: blocking socket calls: the loop (and so the server) waits while they run
+            sock = socket.create_connection(("127.0.0.1", client.server.port))
+            sock.sendall(request)
+            rid = await _admitted(frontend)
+            await frontend._on_engine(tt.Chunks([tc.Chunk(rid, text="a", token_ids=[5])]))
+            await asyncio.sleep(0.1)
+            assert sock.recv(10) == b"HTTP/1.1 2"
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # NOTE: unread bytes and linger 0: a reset
+            rest = [tc.Chunk(rid, text="b", token_ids=[6]), tc.Chunk(rid, finish_reason="length")]
+            await frontend._on_engine(tt.Chunks(rest))
+            await asyncio.sleep(0.2)
+            return len(frontend.table)
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(scenario()) == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
+    assert "HTTP client gone mid-stream" in caplog.text

@@ -7,6 +7,7 @@ disconnects, mid-stream or while waiting for a whole response, has its request a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any
@@ -263,7 +264,17 @@ class Reply:
         out = bytearray()
         if self.req.kind == "chat":
             out += _event(self.fmt.stream_chunk(role=True))
-        done = self._events(first, out)
+        try:
+            await self._send_events(resp, queue, self._events(first, out), out)
+        except ConnectionResetError:
+            # NOTE: the client left and its stream went on (it ended, or the handler was not
+            # cancelled yet); the caller's `finally` aborts what is still running.
+            log.info("rid=%s HTTP client gone mid-stream", self.req.generate.rid)
+        return resp
+
+    async def _send_events(
+        self, resp: web.StreamResponse, queue: asyncio.Queue[Any], done: bool, out: bytearray
+    ) -> None:
         while True:
             # NOTE: one write for everything that arrived meanwhile (one syscall per batch)
             while not done and not queue.empty():
@@ -274,7 +285,6 @@ class Reply:
             out = bytearray()
             done = self._events(await queue.get(), out)
         await resp.write_eof()
-        return resp
 
     def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
         """Append the SSE events of one engine message; True when it ends the stream."""
