@@ -48,13 +48,14 @@ class Probe:
     method: str = "POST"
     hang_up: bool = False  # NOTE: truncated: the server waits for bytes that never come
     half_close: bool = False  # NOTE: junk that may be an unfinished request line: say it ended
+    abandon: bool = False  # NOTE: a stream the client leaves after its first event
 
 
 def probes(seed: int, n: int) -> Iterator[Probe]:
     rng = random.Random(seed)
     makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_unknown_field, _bad_json, _bad_json,
               _deep, _bad_headers, _bad_headers, _truncated, _method_path, _method_path,
-              _bad_framing, _valid]  # fmt: skip
+              _bad_framing, _valid, _abandoned]  # fmt: skip
     for i in range(n):
         yield _oversized(rng) if i % 500 == 499 else rng.choice(makers)(rng)
 
@@ -171,6 +172,14 @@ def _oversized(rng: random.Random) -> Probe:
     path, body = _base(rng)
     body["prompt" if path == COMPLETIONS else "user"] = "x" * rng.choice([9 << 20, 12 << 20])
     return _post(path, body, "over the body limit")
+
+
+def _abandoned(rng: random.Random) -> Probe:
+    path, body = _base(rng)
+    body.update(stream=True, max_tokens=rng.randint(50, 400), ignore_eos=True)
+    probe = _post(path, body, "abandoned stream")
+    probe.abandon = True
+    return probe
 
 
 def _valid(rng: random.Random) -> Probe:
@@ -299,6 +308,9 @@ def send(port: int, probe: Probe, timeout: float) -> str:
                 sock.shutdown(socket.SHUT_WR)
             resp = http.client.HTTPResponse(sock, method=probe.method)
             resp.begin()
+            if probe.abandon:
+                resp.readline()
+                return f"{resp.status} abandoned"
             try:
                 resp.read()
             except (http.client.HTTPException, ConnectionError):

@@ -159,7 +159,7 @@ def test_thousands_of_fuzzed_http_requests_are_never_a_500(engine, rss_before, r
     generated = probes(seed=11, n=HTTP_FUZZ)
     lock = threading.Lock()
     deadline = time.monotonic() + HTTP_FUZZ_S
-    tracebacks = engine.log().count("Traceback")
+    log_start = len(engine.log())
 
     def worker() -> None:
         while time.monotonic() < deadline:
@@ -186,7 +186,8 @@ def test_thousands_of_fuzzed_http_requests_are_never_a_500(engine, rss_before, r
     assert hung == 0 and statuses["timeout"] == 0, statuses
     errors = {s: examples[s] for s in statuses if s[0] == "5"}
     assert not errors, errors
-    assert engine.log().count("Traceback") == tracebacks, engine.log()[-3000:]
+    log = engine.log()[log_start:]
+    assert "Traceback" not in log, log[max(0, log.find("Traceback") - 200) :][:3000]
     assert _http_chat(engine) == 200
     with EngineClient(engine.address) as c:
         _settled(c)
