@@ -31,7 +31,7 @@ def check_frame(size: int, config: EngineConfig) -> None:
 
 
 def check_body(size: int | None, config: EngineConfig) -> None:
-    """An HTTP body's size (declared, or read so far) within `--max-body-bytes`."""
+    """An HTTP body's declared size (Content-Length) within `--max-body-bytes`."""
     if size is not None and size > config.max_body_bytes:
         raise body_error(f"{size} bytes", config)
 
