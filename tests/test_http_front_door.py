@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -172,3 +175,29 @@ def test_a_stream_whose_client_reset_it_ends_quietly(tmp_path, caplog):
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
     assert "HTTP client gone mid-stream" in caplog.text
+
+
+def test_a_body_that_stops_coming_is_a_408_after_the_client_timeout(tmp_path):
+    """A client that stops sending mid-body held its connection and handler for good (found
+    by the HTTP fuzzer's truncated bodies); it now gets `--client-timeout`, as a silent SDK
+    client does."""
+
+    async def scenario() -> tuple[bytes, bytes, float]:
+        async with _served(tmp_path, client_timeout=0.5) as (_, client):
+            reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+            )
+            start = time.monotonic()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            waited = time.monotonic() - start
+            length = int(re.search(rb"Content-Length: (\d+)", head)[1])  # type: ignore[index]
+            body = await reader.readexactly(length)
+            writer.close()
+            return head, body, waited
+
+    head, body, waited = asyncio.run(scenario())
+    assert head.startswith(b"HTTP/1.1 408"), head
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and error["param"] == "body", error
+    assert "--client-timeout" in error["message"] and 0.4 < waited < 5, (error, waited)

@@ -44,10 +44,15 @@ class BodyTooLarge(InvalidRequest):
     """A request body over `--max-body-bytes`: a 413, not a 400."""
 
 
+class BodyTooSlow(InvalidRequest):
+    """A request body still incomplete after `--client-timeout`: a 408."""
+
+
 # exception type -> (HTTP status, OpenAI error type, code)
 STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
     InvalidRequest: (400, "invalid_request_error", None),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
+    BodyTooSlow: (408, "invalid_request_error", "request_timeout"),
     Unauthorized: (401, "authentication_error", "invalid_api_key"),
     Overloaded: (429, "rate_limit_error", "overloaded"),
     ShuttingDown: (503, "service_unavailable", "shutting_down"),
@@ -205,9 +210,17 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
     try:
         # NOTE: a declared size over the limit is refused before any of the body is read.
         limits.check_body(request.content_length, config)
-        raw = await request.read()
+        # NOTE: a client that stops sending mid-body would hold its connection and handler
+        # for good; it gets the time a silent SDK client gets.
+        raw = await asyncio.wait_for(request.read(), config.client_timeout)
     except InvalidRequest as e:
         raise BodyTooLarge(e.field, e.message) from None
+    except asyncio.TimeoutError:
+        timeout = config.client_timeout
+        what = f"incomplete after {timeout:g}s"
+        raise BodyTooSlow(
+            "body", f"{what} (client_timeout={timeout:g}, --client-timeout)"
+        ) from None
     except web.HTTPRequestEntityTooLarge:  # NOTE: read() stops past client_max_size
         error = limits.body_error(f"more than {config.max_body_bytes} bytes", config)
         raise BodyTooLarge(error.field, error.message) from None
