@@ -201,3 +201,23 @@ def test_a_body_that_stops_coming_is_a_408_after_the_client_timeout(tmp_path):
     error = json.loads(body)["error"]
     assert error["code"] == "request_timeout" and error["param"] == "body", error
     assert "--client-timeout" in error["message"] and 0.4 < waited < 5, (error, waited)
+
+
+def test_a_client_gone_mid_body_ends_quietly(tmp_path, caplog):
+    """A client that hangs up before its body is complete: the body's read fails (the timeout
+    around it once turned that into an unhandled ConnectionResetError with a traceback)."""
+
+    async def scenario() -> int:
+        async with _served(tmp_path) as (frontend, client):
+            for _ in range(3):
+                _, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+                await asyncio.sleep(0.1)
+                writer.close()
+                await asyncio.sleep(0.1)
+            return len(frontend.table)
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(scenario()) == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

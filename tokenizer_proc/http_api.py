@@ -226,6 +226,10 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
         raise BodyTooLarge(error.field, error.message) from None
     except web.RequestPayloadError as e:  # NOTE: a body that does not decode (Content-Encoding)
         raise InvalidRequest("body", f"unreadable: {e}") from None
+    except ConnectionResetError:
+        # NOTE: the client hung up mid-body. Its handler is being cancelled, but Python 3.11's
+        # wait_for hands back the read's own error instead; the answer goes nowhere, quietly.
+        raise InvalidRequest("body", "the client hung up before sending all of it") from None
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
