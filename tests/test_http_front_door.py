@@ -211,7 +211,9 @@ def test_a_client_gone_mid_body_ends_quietly(tmp_path, caplog):
         async with _served(tmp_path) as (frontend, client):
             for _ in range(3):
                 _, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
-                writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"
+                )
                 await asyncio.sleep(0.1)
                 writer.close()
                 await asyncio.sleep(0.1)
