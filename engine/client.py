@@ -61,8 +61,9 @@ def _generate_msg(
     input_ids: list[int] | None,
     rid: str | None,
     sampling: dict[str, Any],
+    tools: list[dict[str, Any]] | None = None,
 ) -> tt.Generate:
-    return tt.Generate(_rid(rid), prompt, messages, input_ids, sampling)
+    return tt.Generate(_rid(rid), prompt, messages, input_ids, sampling, tools)
 
 
 def _expect(msg: tc.ToClient, reply: type[R]) -> R:
@@ -148,11 +149,15 @@ class EngineClient(_Client):
         *,
         messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
         **sampling: Any,
     ) -> GenerateResult:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
+        """One request to completion. `tools` (OpenAI-style specs, `{"type": "function",
+        "function": {"name": ..., ...}}`) go to the chat template with `messages`, as over HTTP;
+        a tool call comes back as the model writes it, in `text`."""
+        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
         result = GenerateResult(msg.rid)
         for chunk in self._stream(msg, _deadline(timeout)):
             result.add(chunk)
@@ -164,11 +169,12 @@ class EngineClient(_Client):
         *,
         messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
         **sampling: Any,
     ) -> Iterator[StreamChunk]:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
+        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
         return self._stream(msg, _deadline(timeout))
 
     def _stream(self, msg: tt.Generate, deadline: float | None) -> Iterator[StreamChunk]:
@@ -259,11 +265,12 @@ class AsyncEngineClient(_Client):
         *,
         messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
         **sampling: Any,
     ) -> GenerateResult:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
+        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
         result = GenerateResult(msg.rid)
         async for chunk in self._stream(msg, _deadline(timeout)):
             result.add(chunk)
@@ -275,11 +282,12 @@ class AsyncEngineClient(_Client):
         *,
         messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         rid: str | None = None,
         timeout: float | None = None,
         **sampling: Any,
     ) -> AsyncIterator[StreamChunk]:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling)
+        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
         return self._stream(msg, _deadline(timeout))
 
     async def _stream(self, msg: tt.Generate, deadline: float | None) -> AsyncIterator[StreamChunk]:

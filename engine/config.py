@@ -66,7 +66,10 @@ class EngineConfig:
     max_frame_bytes: int = _opt(
         8 << 20, "Largest client frame (bytes); 4x this drops the connection"
     )
-    max_prompt_chars: int = _opt(1_000_000, "Most characters in a prompt or in all its messages")
+    max_body_bytes: int = _opt(8 << 20, "Largest HTTP request body (bytes); beyond it, 413")
+    max_prompt_chars: int = _opt(
+        1_000_000, "Most characters in a prompt, or in all its messages and tools"
+    )
     max_messages: int = _opt(1024, "Most chat messages in one request")
     max_stop_strings: int = _opt(16, "Most stop strings (and stop token ids) per request")
     max_stop_chars: int = _opt(256, "Longest stop string (characters)")
@@ -109,6 +112,7 @@ class EngineConfig:
             "max_running_requests",
             "max_queued_requests",
             "max_frame_bytes",
+            "max_body_bytes",
             "max_prompt_chars",
             "max_messages",
             "max_stop_strings",

@@ -21,7 +21,7 @@ from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
-from tokenizer_proc import prepare
+from tokenizer_proc import limits, prepare
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
 from tokenizer_proc.requests import Entry
 
@@ -80,8 +80,9 @@ class InProcessEngine:
         self.sinks.pop(rid, None)
 
     def send(self, msg: tt.FromClient) -> None:
-        # NOTE: the same InvalidRequest as over the wire for an argument it cannot carry.
-        encode_request(msg)
+        # NOTE: the same InvalidRequest as over the wire for an argument it cannot carry, or
+        # for a request larger than a frame may be (--max-frame-bytes).
+        limits.check_frame(len(encode_request(msg)), self.config)
         if self.dead is not None:
             raise EngineDead(self.dead)
         self._inbox.put(msg)
@@ -204,12 +205,19 @@ class InProcessEngine:
 
     def _generate(self, msg: tt.Generate, owner: str | None) -> None:
         entry = Entry(owner)
+
+        def screen() -> None:
+            # NOTE: the front door's limits, in its order (tokenizer_proc.frontend._admit); not
+            # the per-connection share: every client of this engine is one connection.
+            limits.check_generate(msg, self.config, self.core.limits.max_context)
+
         try:
-            params = self.core.admit(msg, entry)
+            params = self.core.admit(msg, entry, screen)
         except EngineError as e:
             self._reply(to_failure(msg.rid, e))
             return
         try:
+            limits.check_stop(params, self.config)
             ids = prepare.token_ids(
                 msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context
             )

@@ -13,10 +13,12 @@ from engine.cpu_backend import setup_cpu_backend
 setup_cpu_backend(None, log_line=False)
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.messages.to_tokenizer import Generate  # noqa: E402
 from engine.results import GenerateResult, StreamChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from scheduler_proc.model_loader import load_for_scheduler  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
+from tokenizer_proc import limits  # noqa: E402
 
 
 class OfflineEngine:
@@ -40,13 +42,22 @@ class OfflineEngine:
         try:
             for ids, kw in zip(prompts, per_prompt, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                self.scheduler.submit(rid, list(ids), SamplingParams.parse(kw))
+                self.scheduler.submit(rid, list(ids), self._screened(rid, list(ids), kw))
                 results[rid] = GenerateResult(rid)
         except Exception:
             self._abort_all(results)  # NOTE: all or nothing; no orphans left running
             raise
         self._run(results)
         return list(results.values())
+
+    def _screened(self, rid: str, ids: list[int], kw: dict[str, Any]) -> SamplingParams:
+        """The launched engine's input limits (tokenizer_proc/limits.py): same options, same
+        `InvalidRequest`s; the scheduler checks the prompt against the context itself."""
+        request = Generate(rid, input_ids=ids, params=kw)
+        limits.check_generate(request, self.config, self.scheduler.max_context)
+        params = SamplingParams.parse(kw)
+        limits.check_stop(params, self.config)
+        return params
 
     def _abort_all(self, results: dict[str, GenerateResult]) -> None:
         for rid in results:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -10,6 +11,12 @@ from engine.errors import InvalidRequest
 from engine.protocol import error_field
 
 MAX_TOP_LOGPROBS = 20
+# NOTE: JSON (the HTTP API) carries integers of any size and msgpack infinities; the wire to the
+# scheduler carries neither beyond 64 bits (an OverflowError there was a 500), nor do they mean
+# anything as sampling values.
+INT_FIELDS = ("max_tokens", "top_k", "logprobs")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")  # fmt: skip
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -43,6 +50,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise `InvalidRequest` naming the first bad field; return self when all are valid."""
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            _check(value < 2**63, name, f"must be < 2**63, got {value}")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(math.isfinite(value), name, f"must be a finite number, got {value}")
         _check(self.max_tokens > 0, "max_tokens", f"must be > 0, got {self.max_tokens}")
         _check(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")

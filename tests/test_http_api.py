@@ -47,12 +47,15 @@ def sdk(engine):
         yield c
 
 
-def call(engine, method: str, path: str, body: Any = None, timeout: float = 10) -> tuple[int, Any]:
+def call(
+    engine, method: str, path: str, body: Any = None, timeout: float = 10, **headers: str
+) -> tuple[int, Any]:
     """One plain HTTP request: (status, decoded JSON body or text)."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
     conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=timeout)
+    headers = {"Content-Type": "application/json", **headers}
     try:
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        conn.request(method, path, body=data, headers=headers)
         r = conn.getresponse()
         raw = r.read().decode()
     finally:
@@ -187,6 +190,7 @@ def test_models(oai, tiny_model_dir):
 
 # --- bad input ----------------------------------------------------------------------------------
 
+DEEP_CALL = {"function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}
 BAD = [
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
@@ -203,6 +207,14 @@ BAD = [
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    # NOTE: found by the HTTP fuzzer (tests/reliability), each a 500 before
+    ({"max_tokens": 10**30}, "max_tokens"),
+    ({"top_k": 2**64}, "top_k"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": 5}]}, "messages[0].tool_calls"),
+    (
+        {"messages": [{"role": "assistant", "content": "", "tool_calls": [DEEP_CALL]}]},
+        "messages[0].tool_calls",
+    ),  # fmt: skip
 ]
 
 
@@ -228,6 +240,19 @@ def test_malformed_json_oversized_body_and_unknown_route(engine, oai):
     status, reply = call(engine, "GET", "/v1/nothing")
     assert status == 404 and "error" in reply
     # the engine keeps serving
+    assert oai.completions.create(model="m", prompt="a", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_bodies_too_deep_or_undecodable_are_a_400(engine, oai):
+    """Found by the HTTP fuzzer: JSON nested past the parser's recursion limit, and a body whose
+    Content-Encoding does not decode, were 500s."""
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, reply = call(engine, "POST", "/v1/completions", deep)
+    assert status == 400 and reply["error"]["param"] == "body", reply
+    assert "max_nesting_depth" in reply["error"]["message"]
+    garbled = call(engine, "POST", "/v1/completions", b"\x01\x02not deflate", **{
+        "Content-Encoding": "deflate"})  # fmt: skip
+    assert garbled[0] == 400 and garbled[1]["error"]["param"] == "body", garbled
     assert oai.completions.create(model="m", prompt="a", max_tokens=1).usage.completion_tokens == 1
 
 

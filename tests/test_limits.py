@@ -13,6 +13,7 @@ from engine_harness import LaunchedEngine, bounded  # noqa: F401
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.errors import EngineDead, InvalidRequest, Overloaded
+from engine.inprocess import InProcessEngine
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.sampling_params import SamplingParams
@@ -41,6 +42,10 @@ def _nested(depth: int) -> object:
     return value
 
 
+HI = [
+    {"role": "user", "content": "hi " * 5}
+]  # NOTE: 30 characters (keys count), counted with tools
+
 # --- the checks themselves ----------------------------------------------------------------------
 
 SHAPES = [
@@ -51,6 +56,9 @@ SHAPES = [
     (tt.Generate("r", messages=[{"role": "u", "name": "y" * 6_000}]), "messages", "chars"),
     (tt.Generate("r", input_ids=[1], params={"stop": _nested(7)}), "params", "depth"),
     (tt.Generate("r", messages=[{"role": "u", "c": [0] * 30_000}]), "messages", "values"),
+    (tt.Generate("r", messages=HI, tools=[{"function": _nested(6)}]), "tools", "depth"),
+    (tt.Generate("r", messages=HI, tools=[{"function": {"d": "y" * 4_990}}]), "tools", "chars"),
+    (tt.Generate("r", messages=HI, tools=[{"f": [0] * 30_000}]), "tools", "values"),
 ]
 
 
@@ -121,6 +129,25 @@ def engine(tiny_model_dir: Path, tmp_path_factory):
     launched.stop()
 
 
+@pytest.fixture(scope="module")
+def inprocess(tiny_model_dir: Path):
+    engine = InProcessEngine(
+        str(tiny_model_dir), max_total_tokens=8192, context_length=1024, **SMALL
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(params=["launched", "inprocess"])
+def any_client(request):
+    """An SDK client of the launched engine, or of an in-process one with the same limits."""
+    if request.param == "launched":
+        yield request.getfixturevalue("client")
+    else:
+        # NOTE: not closed: closing an in-process engine's client stops the engine
+        yield EngineClient(transport=request.getfixturevalue("inprocess"), timeout=30.0)
+
+
 def _works(client: EngineClient) -> bool:
     return (
         client.generate(input_ids=[1, 2], max_tokens=2, ignore_eos=True).finish_reason == "length"
@@ -146,11 +173,11 @@ def test_a_deeply_nested_frame_gets_a_typed_reply(raw, client, frame, named):
     assert _works(client)
 
 
-def test_a_frame_over_the_limit_is_refused_to_its_caller(client):
+def test_a_frame_over_the_limit_is_refused_to_its_caller(any_client):
     with pytest.raises(InvalidRequest) as e:
-        client.generate(prompt="x" * 150_000, max_tokens=1)
+        any_client.generate(prompt="x" * 150_000, max_tokens=1)
     assert e.value.field == "frame" and "max_frame_bytes=100000" in e.value.message
-    assert _works(client)
+    assert _works(any_client)
 
 
 def test_a_frame_far_over_the_limit_drops_the_connection_not_the_caller(client):
@@ -167,13 +194,16 @@ def test_a_frame_far_over_the_limit_drops_the_connection_not_the_caller(client):
         ({"input_ids": [1, 2], "stop": ["a"] * 5}, "stop"),
         ({"input_ids": [1, 2], "stop": ["a" * 20]}, "stop"),
         ({"input_ids": [1] * 2_000}, "input_ids"),
+        ({"messages": [{"role": "user", "content": "hi", "x": _nested(7)}]}, "messages"),
+        ({"input_ids": [1, 2], "stop": _nested(7)}, "params"),
     ],
 )
-def test_limits_through_the_sdk(client, kwargs, field):
+def test_limits_through_the_sdk(any_client, kwargs, field):
+    """The same limits, the same errors, from a launched engine and an in-process one."""
     with pytest.raises(InvalidRequest) as e:
-        client.generate(max_tokens=1, **kwargs)
+        any_client.generate(max_tokens=1, **kwargs)
     assert e.value.field == field
-    assert _works(client)
+    assert _works(any_client)
 
 
 def _third_request_refused(client: EngineClient) -> bool:

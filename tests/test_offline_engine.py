@@ -38,6 +38,25 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
         assert err.value.field == "max_tokenz"
 
 
+@pytest.mark.parametrize(
+    ("params", "field", "option"),
+    [
+        (dict(stop=["a"] * 5), "stop", "max_stop_strings"),
+        (dict(stop_token_ids=[1] * 5), "stop_token_ids", "max_stop_strings"),
+        (dict(stop=["a" * 17]), "stop", "max_stop_chars"),
+        (dict(stop=[[[[[["a"]]]]]]), "params", "max_nesting_depth"),
+    ],
+)
+def test_the_launched_engines_limits_apply(tiny_weights_dir, params, field, option):
+    limited = dict(max_stop_strings=4, max_stop_chars=16, max_nesting_depth=4)
+    with OfflineEngine(str(tiny_weights_dir), max_total_tokens=4096, **limited) as eng:
+        with pytest.raises(InvalidRequest) as err:
+            eng.generate([[1, 2], [3]], [dict(max_tokens=2), dict(max_tokens=2, **params)])
+        assert err.value.field == field and option in err.value.message, err.value
+        assert not eng.scheduler.has_work()
+        assert len(eng.generate([[1, 2]], dict(max_tokens=2))[0].token_ids) == 2
+
+
 @pytest.mark.slow
 def test_default_model_greedy_parity():
     from scheduler_proc.model_loader import load_for_scheduler

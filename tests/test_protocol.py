@@ -103,6 +103,11 @@ def test_no_pickle_anywhere():
         ({"bogus": 1}, "bogus"),
         ({"stop": 3}, "stop"),
         ({"top_p": 2.0}, "top_p"),
+        ({"max_tokens": 10**30}, "max_tokens"),  # NOTE: these three once failed on the wire
+        ({"top_k": 2**64}, "top_k"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
     ],
 )
 def test_sampling_params_errors_name_the_field(raw, field):

@@ -3,6 +3,7 @@ comes back as `tool_calls` (whole, or streamed as deltas), parsed with mlx-lm's 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -11,6 +12,9 @@ import pytest
 from engine_harness import LaunchedEngine, bounded  # noqa: F401
 from tool_model import ANSWER
 
+from engine.client import AsyncEngineClient, EngineClient
+from engine.errors import InvalidRequest
+from engine.inprocess import InProcessEngine
 from engine.tokenizer_loader import load_tokenizer
 from tokenizer_proc.tool_calls import ToolCallStream
 
@@ -103,6 +107,50 @@ def test_a_tool_result_message_renders(oai):
         model="m", messages=history, tools=TOOLS, max_tokens=1, temperature=0.0
     )
     assert r.usage.prompt_tokens > 0
+
+
+# --- the SDK --------------------------------------------------------------------------------------
+
+
+def _tool_call_through_the_sdk(client: EngineClient, tool_model_dir: Path) -> None:
+    expected = load_tokenizer(tool_model_dir).apply_chat_template(
+        ASK, add_generation_prompt=True, tools=TOOLS
+    )
+    r = client.generate(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
+    assert r.usage.prompt_tokens == len(expected) and r.text == ANSWER
+    assert r.finish_reason == "stop"
+    streamed = client.stream(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
+    assert "".join(c.text for c in streamed) == ANSWER
+    without = client.generate(messages=ASK, max_tokens=1, temperature=0.0)
+    assert without.usage.prompt_tokens < len(expected)
+    for bad in ([{"type": "function"}], [5], {"type": "function"}):
+        with pytest.raises(InvalidRequest) as e:
+            client.generate(messages=ASK, tools=bad, max_tokens=1)
+        assert e.value.field == "tools"
+    with pytest.raises(InvalidRequest) as e:
+        client.generate(prompt="hi", tools=TOOLS, max_tokens=1)
+    assert e.value.field == "tools"
+
+
+def test_the_sdk_passes_tools_to_the_template(engine, tiny_tool_model_dir):
+    with EngineClient(engine.address, timeout=30.0) as client:
+        _tool_call_through_the_sdk(client, tiny_tool_model_dir)
+
+
+def test_the_in_process_engine_passes_tools_to_the_template(tiny_tool_model_dir):
+    transport = InProcessEngine(str(tiny_tool_model_dir), max_total_tokens=4096)
+    with EngineClient(transport=transport, timeout=30.0) as client:
+        _tool_call_through_the_sdk(client, tiny_tool_model_dir)
+
+
+def test_the_async_sdk_passes_tools_to_the_template(engine):
+    async def scenario() -> tuple[str, str]:
+        async with AsyncEngineClient(engine.address, timeout=30.0) as client:
+            r = await client.generate(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
+            chunks = client.stream(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
+            return r.text, "".join([c.text async for c in chunks])
+
+    assert asyncio.run(scenario()) == (ANSWER, ANSWER)
 
 
 @pytest.mark.parametrize("prefix", ["", "Let me check. "])

@@ -7,14 +7,17 @@ disconnects, mid-stream or while waiting for a whole response, has its request a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.config import EngineConfig
 from engine.errors import (
     EngineDead,
     EngineError,
@@ -26,28 +29,51 @@ from engine.errors import (
 )
 from engine.messages import to_client as tc
 from engine.wire_errors import to_exception
-from tokenizer_proc import openai_api, tool_calls
+from tokenizer_proc import limits, openai_api, tool_calls
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer.http")
 
-# NOTE: a context's worth of text is well under 1 MiB; 8 MiB leaves room for long chats with tools
-# and still refuses a body that only costs memory (413).
-MAX_BODY_BYTES = 8 * 1024 * 1024
 SHUTDOWN_TIMEOUT_S = 2.0
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
+
+class BodyTooLarge(InvalidRequest):
+    """A request body over `--max-body-bytes`: a 413, not a 400."""
+
+
+class BodyTooSlow(InvalidRequest):
+    """A request body still incomplete after `--client-timeout`: a 408."""
+
+
 # exception type -> (HTTP status, OpenAI error type, code)
 STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
     InvalidRequest: (400, "invalid_request_error", None),
+    BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
+    BodyTooSlow: (408, "invalid_request_error", "request_timeout"),
     Unauthorized: (401, "authentication_error", "invalid_api_key"),
     Overloaded: (429, "rate_limit_error", "overloaded"),
     ShuttingDown: (503, "service_unavailable", "shutting_down"),
     EngineDead: (503, "service_unavailable", "engine_dead"),
     Timeout: (504, "timeout", None),
 }
+
+
+class _MalformedHttp(logging.Filter):
+    """aiohttp logs every request it cannot parse (answered 400: the client's fault) at ERROR with
+    a traceback; a stream of junk would flood the log. One line at DEBUG instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (HttpProcessingError, web.RequestPayloadError)):
+            log.debug("malformed HTTP request: %s", str(exc).replace("\n", " "))
+            return False
+        return True
+
+
+MALFORMED_HTTP = _MalformedHttp()
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> bytes:
@@ -71,8 +97,9 @@ class HttpApi:
         self.fe = frontend
         self.core = frontend.core
         self.tokenizer = frontend.tokenizer
+        logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP)  # NOTE: once: one object
         self.app = web.Application(
-            client_max_size=MAX_BODY_BYTES, middlewares=[self._errors, self._auth]
+            client_max_size=frontend.config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
         self.app.add_routes(
             [
@@ -132,10 +159,10 @@ class HttpApi:
         return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        body = await _json_body(request)
-        limits = self.core.limits
+        body = await _json_body(request, self.fe.config)
+        facts = self.core.limits
         rid = f"http-{uuid.uuid4().hex}"
-        req = openai_api.parse(kind, body, rid, limits.max_context, limits.model)
+        req = openai_api.parse(kind, body, rid, facts.max_context, facts.model)
         owner = ("http", rid)
         try:
             entry = await self.fe.submit(req.generate, owner)
@@ -179,12 +206,36 @@ def _health_response(healthy: bool, detail: str) -> web.Response:
     return _json_response(msgspec.json.encode(body), 200 if healthy else 503)
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # NOTE: raises 413 beyond client_max_size
+async def _json_body(request: web.Request, config: EngineConfig) -> Any:
+    try:
+        # NOTE: a declared size over the limit is refused before any of the body is read.
+        limits.check_body(request.content_length, config)
+        # NOTE: a client that stops sending mid-body would hold its connection and handler
+        # for good; it gets the time a silent SDK client gets.
+        raw = await asyncio.wait_for(request.read(), config.client_timeout)
+    except InvalidRequest as e:
+        raise BodyTooLarge(e.field, e.message) from None
+    except asyncio.TimeoutError:
+        timeout = config.client_timeout
+        what = f"incomplete after {timeout:g}s"
+        raise BodyTooSlow(
+            "body", f"{what} (client_timeout={timeout:g}, --client-timeout)"
+        ) from None
+    except web.HTTPRequestEntityTooLarge:  # NOTE: read() stops past client_max_size
+        error = limits.body_error(f"more than {config.max_body_bytes} bytes", config)
+        raise BodyTooLarge(error.field, error.message) from None
+    except web.RequestPayloadError as e:  # NOTE: a body that does not decode (Content-Encoding)
+        raise InvalidRequest("body", f"unreadable: {e}") from None
+    except ConnectionResetError:
+        # NOTE: the client hung up mid-body. Its handler is being cancelled, but Python 3.11's
+        # wait_for hands back the read's own error instead; the answer goes nowhere, quietly.
+        raise InvalidRequest("body", "the client hung up before sending all of it") from None
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise InvalidRequest("body", f"invalid JSON: {e}") from None
+    except RecursionError:  # NOTE: msgspec raises it, not a DecodeError, for ~1000 levels
+        raise limits.nesting_error(config, "body") from None
 
 
 class Reply:
@@ -230,7 +281,17 @@ class Reply:
         out = bytearray()
         if self.req.kind == "chat":
             out += _event(self.fmt.stream_chunk(role=True))
-        done = self._events(first, out)
+        try:
+            await self._send_events(resp, queue, self._events(first, out), out)
+        except ConnectionResetError:
+            # NOTE: the client left and its stream went on (it ended, or the handler was not
+            # cancelled yet); the caller's `finally` aborts what is still running.
+            log.info("rid=%s HTTP client gone mid-stream", self.req.generate.rid)
+        return resp
+
+    async def _send_events(
+        self, resp: web.StreamResponse, queue: asyncio.Queue[Any], done: bool, out: bytearray
+    ) -> None:
         while True:
             # NOTE: one write for everything that arrived meanwhile (one syscall per batch)
             while not done and not queue.empty():
@@ -241,7 +302,6 @@ class Reply:
             out = bytearray()
             done = self._events(await queue.get(), out)
         await resp.write_eof()
-        return resp
 
     def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
         """Append the SSE events of one engine message; True when it ends the stream."""

@@ -30,14 +30,24 @@ def check_frame(size: int, config: EngineConfig) -> None:
         raise _limit("frame", f"{size} bytes", "max_frame_bytes", config.max_frame_bytes)
 
 
-def nesting_error(config: EngineConfig) -> InvalidRequest:
-    """For a frame too deep to decode at all (msgspec raises RecursionError)."""
-    return _limit("frame", "nesting", "max_nesting_depth", config.max_nesting_depth)
+def check_body(size: int | None, config: EngineConfig) -> None:
+    """An HTTP body's declared size (Content-Length) within `--max-body-bytes`."""
+    if size is not None and size > config.max_body_bytes:
+        raise body_error(f"{size} bytes", config)
+
+
+def body_error(what: str, config: EngineConfig) -> InvalidRequest:
+    return _limit("body", what, "max_body_bytes", config.max_body_bytes)
+
+
+def nesting_error(config: EngineConfig, field: str = "frame") -> InvalidRequest:
+    """For a frame or body too deep to decode at all (msgspec raises RecursionError)."""
+    return _limit(field, "nesting", "max_nesting_depth", config.max_nesting_depth)
 
 
 def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> int:
     """Counts, characters and nesting of a request, before anything walks it slowly; returns
-    the characters of its text (the prompt, or every string of its messages)."""
+    the characters of its text (the prompt, or every string of its messages and tools)."""
     if msg.prompt is not None and len(msg.prompt) > config.max_prompt_chars:
         raise _limit(
             "prompt", f"{len(msg.prompt)} characters", "max_prompt_chars", config.max_prompt_chars
@@ -46,7 +56,15 @@ def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> int
         # NOTE: before the ids are scanned one by one; text prompts are checked once tokenized.
         n = len(msg.input_ids)
         raise InvalidRequest("input_ids", f"{n} prompt tokens; the context holds {max_context}")
-    chars = _check_messages(msg.messages, config) if msg.messages is not None else 0
+    chars = 0
+    if msg.messages is not None:
+        if len(msg.messages) > config.max_messages:
+            n, limit = len(msg.messages), config.max_messages
+            raise _limit("messages", f"{n} messages", "max_messages", limit)
+        chars = _check_tree(msg.messages, "messages", config, chars)
+    if msg.tools is not None:
+        # NOTE: the template renders tools into the prompt: they count with the messages.
+        chars = _check_tree(msg.tools, "tools", config, chars)
     depth, _ = shape(msg.params, "params")
     if depth > config.max_nesting_depth:
         limit = config.max_nesting_depth
@@ -54,16 +72,16 @@ def check_generate(msg: Generate, config: EngineConfig, max_context: int) -> int
     return chars + len(msg.prompt or "")
 
 
-def _check_messages(messages: list[Any], config: EngineConfig) -> int:
-    if len(messages) > config.max_messages:
-        raise _limit("messages", f"{len(messages)} messages", "max_messages", config.max_messages)
-    depth, chars = shape(messages, "messages")
+def _check_tree(value: Any, field: str, config: EngineConfig, chars_before: int) -> int:
+    """Nesting and characters of messages or tools; the characters so far plus theirs."""
+    depth, chars = shape(value, field)
     if depth > config.max_nesting_depth:
         limit = config.max_nesting_depth
-        raise _limit("messages", f"nesting depth {depth}", "max_nesting_depth", limit)
+        raise _limit(field, f"nesting depth {depth}", "max_nesting_depth", limit)
+    chars += chars_before
     if chars > config.max_prompt_chars:
         limit = config.max_prompt_chars
-        raise _limit("messages", f"{chars} characters", "max_prompt_chars", limit)
+        raise _limit(field, f"{chars} characters", "max_prompt_chars", limit)
     return chars
 
 

@@ -17,6 +17,7 @@ from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.sampling_params import MAX_TOP_LOGPROBS
+from tokenizer_proc import prepare
 
 # the sampling fields passed to SamplingParams under the same name
 SAMPLING = (
@@ -149,18 +150,8 @@ def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
     if choice not in ("auto", "none"):
         raise InvalidRequest("tool_choice", "only 'auto' and 'none' are supported")
     if tools is not None:
-        if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
-            raise InvalidRequest("tools", "must be a list of {type: function, function: {...}}")
+        prepare.check_tools(tools)
         gen.tools = tools if tools and choice == "auto" else None
-
-
-def _is_tool(tool: Any) -> bool:
-    return (
-        isinstance(tool, dict)
-        and tool.get("type") == "function"
-        and isinstance(tool.get("function"), dict)
-        and isinstance(tool["function"].get("name"), str)
-    )
 
 
 def _message(i: int, m: Any) -> dict[str, Any]:
@@ -176,7 +167,10 @@ def _message(i: int, m: Any) -> dict[str, Any]:
             raise InvalidRequest(f"messages[{i}].content", "only text parts are supported")
         m["content"] = "".join(str(p.get("text", "")) for p in content)
     if "tool_calls" in m:
-        m["tool_calls"] = [_tool_call_in(i, c) for c in m["tool_calls"] or []]
+        calls = [] if m["tool_calls"] is None else m["tool_calls"]
+        if not isinstance(calls, list):
+            raise InvalidRequest(f"messages[{i}].tool_calls", "must be a list")
+        m["tool_calls"] = [_tool_call_in(i, c) for c in calls]
     return m
 
 
@@ -185,7 +179,8 @@ def _tool_call_in(i: int, call: Any) -> dict[str, Any]:
         function = dict(call["function"])
         if isinstance(function.get("arguments"), str):
             function["arguments"] = json.loads(function["arguments"] or "{}")
-    except (TypeError, KeyError, ValueError) as e:
+    # NOTE: json.loads raises RecursionError for arguments nested ~1000 deep
+    except (TypeError, KeyError, ValueError, RecursionError) as e:
         raise InvalidRequest(f"messages[{i}].tool_calls", f"malformed tool call: {e}") from None
     return {**call, "function": function}
 

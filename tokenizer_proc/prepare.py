@@ -23,10 +23,27 @@ def source_of(req: Generate) -> str:
     return given[0]
 
 
+def check_tools(tools: Any) -> None:
+    """OpenAI-style tool specs, as the HTTP API and the SDK take them."""
+    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
+        raise InvalidRequest("tools", "must be a list of {type: function, function: {name, ...}}")
+
+
+def _is_tool(tool: Any) -> bool:
+    return (
+        isinstance(tool, dict)
+        and tool.get("type") == "function"
+        and isinstance(tool.get("function"), dict)
+        and isinstance(tool["function"].get("name"), str)
+    )
+
+
 def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
     source = source_of(req)
-    if req.tools is not None and source != "messages":
-        raise InvalidRequest("tools", "tools need messages (a chat)")
+    if req.tools is not None:
+        check_tools(req.tools)
+        if source != "messages":
+            raise InvalidRequest("tools", "tools need messages (a chat)")
     # NOTE: source_of() made sure exactly one of the three is given.
     if req.messages is not None:
         ids = _from_messages(req.messages, tokenizer, req.tools)

@@ -4,12 +4,14 @@ resident memory back where they started. Figures go to the "reliability figures"
 
 from __future__ import annotations
 
+import http.client
 import json
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -19,6 +21,7 @@ from engine_harness import LaunchedEngine
 from figures import SOAK_S
 from fuzz import frames
 from hostile import NeverReader, huge_inputs
+from http_fuzz import probes, send
 from load import Tally, client_loop, closing_clients, killed_clients, resetter
 from tcp_proxy import TcpProxy
 
@@ -28,6 +31,9 @@ from engine.transport import encode_request
 
 STORM_S = SOAK_S or 12.0
 FUZZ_FRAMES = int(3000 * max(1.0, SOAK_S / 12.0))
+HTTP_FUZZ = int(3000 * max(1.0, SOAK_S / 12.0))
+HTTP_FUZZ_S = max(SOAK_S, 15.0)  # NOTE: the time bound; the count is usually reached first
+HTTP_FUZZ_WORKERS = 4
 HOSTILE_S = min(SOAK_S, 60.0) or 10.0
 WORST_LATENCY_BOUND_S = 5.0
 OPTIONS = (
@@ -142,6 +148,62 @@ def test_thousands_of_fuzzed_frames_never_stop_the_engine(engine, rss_before, re
         f"refused as malformed; good client {good.summary()}"
     )
     assert good.errors == [] and len(good.latencies) > 0, good.errors
+
+
+def test_thousands_of_fuzzed_http_requests_are_never_a_500(engine, rss_before, report):
+    """Generated HTTP requests (tests/reliability/http_fuzz.py) from a few connections at once:
+    bad input is a 4xx (or a closed connection), never a 5xx or a hang; the engine lives, serves
+    a well-behaved request right after and settles with nothing in flight."""
+    statuses: Counter[str] = Counter()
+    examples: dict[str, bytes] = {}
+    generated = probes(seed=11, n=HTTP_FUZZ)
+    lock = threading.Lock()
+    deadline = time.monotonic() + HTTP_FUZZ_S
+    log_start = len(engine.log())
+
+    def worker() -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                probe = next(generated, None)
+            if probe is None:
+                return
+            status = send(engine.http_port, probe, timeout=30.0)
+            with lock:
+                statuses[status] += 1
+                examples.setdefault(status, probe.data[:300])
+
+    good = _GoodClient(engine.address, duration=3.0)
+    try:
+        hung = _run_threads([(worker,)] * HTTP_FUZZ_WORKERS, timeout=HTTP_FUZZ_S + 60)
+    finally:
+        good.join()
+    tried = sum(statuses.values())
+    report["HTTP fuzz"] = (
+        f"{tried} requests tried; by status {dict(sorted(statuses.items()))}; good client "
+        f"{good.summary()}"
+    )
+    assert engine.proc.poll() is None, "the engine died"
+    assert hung == 0 and statuses["timeout"] == 0, statuses
+    errors = {s: examples[s] for s in statuses if s[0] == "5"}
+    assert not errors, errors
+    log = engine.log()[log_start:]
+    assert "Traceback" not in log, log[max(0, log.find("Traceback") - 200) :][:3000]
+    assert _http_chat(engine) == 200
+    with EngineClient(engine.address) as c:
+        _settled(c)
+    assert good.errors == [] and len(good.latencies) > 0, good.errors
+
+
+def _http_chat(engine: LaunchedEngine) -> int:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+        resp = conn.getresponse()
+        assert json.loads(resp.read())["choices"], "no choices"
+        return resp.status
+    finally:
+        conn.close()
 
 
 def test_hostile_clients_do_not_stall_a_good_one(engine, rss_before, report):
