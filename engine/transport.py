@@ -10,6 +10,9 @@ go to the sink registered under their rid. No caller ever waits forever:
 - a lost or reset TCP connection (seen by a socket monitor) fails the calls waiting on it: the
   engine aborted their requests when it could no longer reach this client;
 - a failure of the I/O thread itself, or `close()`, fails every waiting call at once.
+
+A graceful shutdown ends with `Closing`; the answer (`ClosingAck`) tells the engine that this
+client has read every reply, so it can close the connection without losing any.
 """
 
 from __future__ import annotations
@@ -240,6 +243,9 @@ class _Core:
             _deliver(sink, msg)
         if isinstance(msg, tc.Failure) and msg.kind == "engine_dead" and not msg.rid:
             self._fail_all(msg.message)
+        elif isinstance(msg, tc.Closing):
+            # NOTE: every reply before it is dispatched; the engine waits for this to close.
+            self.post(encode_request(tt.ClosingAck()))
 
     def _liveness(self, sock: zmq.Socket) -> None:
         now = time.monotonic()

@@ -26,6 +26,8 @@ from engine.client import EngineClient
 from engine.errors import EngineDead, ShuttingDown
 
 pytestmark = pytest.mark.usefixtures("bounded")
+STALLED_CLIENT = Path(__file__).with_name("stalled_client.py")
+STALL_S = 1.5
 LONG = {"max_tokens": 4000, "temperature": 0.0, "ignore_eos": True}
 SMALL_POOL = ("--max-total-tokens", "8192", "--context-length", "1024")
 
@@ -92,6 +94,34 @@ def test_sigterm_with_16_streams_in_flight(launch):
     assert all(end in ("abort", "length") for end in streams.ends), streams.ends
     assert wait_gone(children, 5) == []
     assert "engine stopped" in engine.log()
+
+
+def test_sigterm_while_a_client_is_stopped_it_still_gets_every_chunk(launch):
+    """A client that reads nothing while the engine drains (a starved machine stops one just so)
+    still gets every chunk when it runs again: the front door waits for it to read them. Before,
+    the front door exited with them in its kernel buffers, and the client's first frame on waking
+    (a liveness ping) reached a closed socket: the kernel reset the connection, dropping them."""
+    engine = launch("--shutdown-grace", "1")
+    cmd = [sys.executable, str(STALLED_CLIENT), engine.address, "8"]
+    client = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert client.stdin is not None and client.stdout is not None
+    try:
+        assert client.stdout.readline() == "started\n"
+        client.send_signal(signal.SIGSTOP)
+        time.sleep(STALL_S)  # NOTE: a backlog larger than the client's socket buffers
+        engine.signal(signal.SIGTERM)
+        while engine.proc.poll() is None and "to read their last replies" not in engine.log():
+            time.sleep(0.05)
+        client.send_signal(signal.SIGCONT)
+        ends = json.loads(client.stdout.readline())
+        assert engine.wait(timeout=15) == 0
+    finally:
+        client.kill()
+        client.communicate(timeout=10)
+    assert all(e.get("finish") in ("abort", "length") for e in ends), ends
+    assert all(e["received"] == e["counted"] for e in ends), ends
+    # NOTE: the client's answer, not its goodbye or the front door's deadline, ended the wait.
+    assert "every client read its last replies" in engine.log()
 
 
 @pytest.mark.parametrize("victim", ["scheduler", "tokenizer", "detokenizer"])

@@ -31,6 +31,7 @@ from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
+from tokenizer_proc.farewell import Farewell
 from tokenizer_proc.requests import Entry
 from tokenizer_proc.trim import Trimmer
 
@@ -69,6 +70,7 @@ class Frontend:
         self.done = asyncio.Event()
         self._stats_calls: dict[str, asyncio.Future[dict[str, float]]] = {}
         self._welcomed: set[bytes] = set()  # ZMQ identities whose Hello carried the key
+        self._farewell = Farewell()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._trimmer = Trimmer(self._pool)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -224,6 +226,9 @@ class Frontend:
         elif isinstance(msg, tt.Goodbye):
             self._client_gone(client)
             self._welcomed.discard(client)
+            self._farewell.read(client)  # NOTE: a client that leaves waits for nothing more
+        elif isinstance(msg, tt.ClosingAck):
+            self._farewell.read(client)
         elif isinstance(msg, tt.AbortRequest):
             await self._on_abort(client, msg)
         else:
@@ -368,6 +373,7 @@ class Frontend:
             await self._on_control(msg)
         elif isinstance(msg, tt.PipelineDrained):
             await self._end_all("abort")
+            await self._farewell.run(self._welcomed, self._send)  # NOTE: clients still served
             self.done.set()
 
     async def _deliver(self, msg: tc.Chunk | tc.Failure, entry: Entry) -> None:

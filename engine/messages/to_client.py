@@ -74,4 +74,9 @@ class Pong(Message):
     """Answer to `Ping`: the tokenizer process is alive (SDK liveness detection)."""
 
 
-ToClient = Welcome | Chunk | Failure | HealthReply | StatsReply | Ack | Pong
+class Closing(Message):
+    """The engine is shutting down and sent this connection its last reply; the SDK answers
+    `ClosingAck` once it has read everything before this (the front door closes after that)."""
+
+
+ToClient = Welcome | Chunk | Failure | HealthReply | StatsReply | Ack | Pong | Closing

@@ -77,6 +77,10 @@ class Goodbye(Message):
     """The client is closing: abort whatever it still has running."""
 
 
+class ClosingAck(Message):
+    """Answer to `Closing`: this client read every reply sent before it."""
+
+
 FromClient = (
     Hello
     | Generate
@@ -87,6 +91,7 @@ FromClient = (
     | ShutdownEngine
     | Ping
     | Goodbye
+    | ClosingAck
 )
 
 # --- from the engine ----------------------------------------------------------------------------
