@@ -226,6 +226,16 @@ def test_bad_fields_are_a_400_naming_them(oai, extra, param):
     assert e.value.body["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("prompt", [[False], [True, 5], [1, 2.5]], ids=["false", "true", "float"])
+def test_token_ids_that_are_not_integers_are_a_400(engine, prompt):
+    """JSON booleans are Python ints: `{"prompt": [false]}` passed the front door's checks, the
+    scheduler dropped the frame it could not decode, and the request was never answered (found
+    by the HTTP fuzzer's soak). Every HTTP request now meets the wire's types first."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1, "stream": True}
+    status, reply = call(engine, "POST", "/v1/completions", body, timeout=10)
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+
+
 def test_malformed_json_oversized_body_and_unknown_route(engine, oai):
     status, reply = call(engine, "POST", "/v1/chat/completions", b"{nope")
     assert status == 400 and reply["error"]["param"] == "body"

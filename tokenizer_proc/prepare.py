@@ -51,6 +51,9 @@ def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) 
         ids = _from_prompt(req.prompt, tokenizer)
     else:
         ids = list(req.input_ids or [])
+        # NOTE: a bool is an int to Python, not to the scheduler's typed decoder.
+        if any(type(t) is not int for t in ids):
+            raise InvalidRequest("input_ids", "must be a list of integer token ids")
     return check_prompt(ids, vocab_size, max_context, source)
 
 
