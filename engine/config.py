@@ -42,7 +42,7 @@ class EngineConfig:
         0, "Prompt tokens per request per prefill step; 0: 2048 on a GPU, 512 on the CPU"
     )
     max_prefill_tokens: int = _opt(
-        0, "Most (padded) prompt tokens in one prefill step; 0: 8192 on a GPU, 2048 on the CPU"
+        0, "Most (padded) prompt tokens in one prefill step; 0: 8192 on a GPU, 512 on the CPU"
     )
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
     context_length: int = _opt(
