@@ -230,7 +230,8 @@ def test_bad_fields_are_a_400_naming_them(oai, extra, param):
 def test_token_ids_that_are_not_integers_are_a_400(engine, prompt):
     """JSON booleans are Python ints: `{"prompt": [false]}` passed the front door's checks, the
     scheduler dropped the frame it could not decode, and the request was never answered (found
-    by the HTTP fuzzer's soak). Every HTTP request now meets the wire's types first."""
+    by the HTTP fuzzer's soak). `prepare.token_ids`, which every entry point passes, refuses
+    them."""
     body = {"model": "m", "prompt": prompt, "max_tokens": 1, "stream": True}
     status, reply = call(engine, "POST", "/v1/completions", body, timeout=10)
     assert status == 400 and reply["error"]["param"] == "prompt", reply

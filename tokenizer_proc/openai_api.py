@@ -13,12 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from engine.protocol import Codec, error_field
 from engine.sampling_params import MAX_TOP_LOGPROBS
 from tokenizer_proc import prepare
 
@@ -80,26 +77,7 @@ def parse(kind: str, body: Any, rid: str, max_context: int, model: str) -> Reque
     else:
         _completion_input(req.generate, body)
         req.renamed["input_ids"] = "prompt"
-    _meets_the_wire(req)
     return req
-
-
-_WIRE: Codec[tt.Generate] = Codec(tt.Generate)
-
-
-def _meets_the_wire(req: Request) -> None:
-    """The types a ZMQ client's frame must have, checked as its frame is: JSON's booleans are
-    Python ints, so `{"prompt": [false]}` passed every check here, and the scheduler dropped the
-    frame it could not decode (the request was never answered)."""
-    try:
-        frame = _WIRE.encode(req.generate)
-    except (OverflowError, UnicodeEncodeError):
-        return  # NOTE: values past 64 bits, lone surrogates: later checks name their field
-    try:
-        _WIRE.decode(frame)
-    except msgspec.ValidationError as e:
-        field = error_field(str(e), "body", tt.Generate.__struct_fields__)
-        raise InvalidRequest(req.renamed.get(field, field), f"wrong type: {e}") from None
 
 
 def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
