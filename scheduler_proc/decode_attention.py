@@ -207,14 +207,11 @@ class Counts:
 counts = Counts()
 
 
-def _on_cuda() -> bool:
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
-
-
 def available() -> bool:
-    """Whether `--fused-decode auto` takes the fused path: on MLX's CUDA backend, whose own fused
-    decode kernel takes no mask (Metal's takes it; the CPU has no fused kernel to lose)."""
-    return _on_cuda()
+    """Whether the kernel runs here (and `--fused-decode auto` takes the fused path): on MLX's
+    CUDA backend, whose own fused decode kernel takes no mask (Metal's takes it; the CPU has no
+    fused kernel to lose)."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
 
 
 def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:
@@ -242,17 +239,18 @@ def decode_attention(
     """softmax(q k^T * scale) v for q (B, H, 1, D) over the first `lengths[b]` keys of row b
     of k, v (rows, KVH, L, D); a row of length 0 (padding) gives zeros. `max_len` bounds the
     lengths (host side; default L); `splits` per row (default: `split_count`)."""
-    if not _on_cuda():
-        return _masked(q, k, v, lengths, scale)
+    if not available():
+        return _masked(q, k, v, lengths, scale, max_len)
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
+    g = heads // kv_heads
     n = splits or split_count(b * kv_heads, max_len or k.shape[2])
     if scale not in _scales:
         _scales[scale] = mx.array([scale], dtype=mx.float32)
     template = [
         ("T", q.dtype),
         ("D", dim),
-        ("G", heads // kv_heads),
+        ("G", g),
         ("KVH", kv_heads),
         ("L_MAX", k.shape[2]),
     ]
@@ -262,7 +260,6 @@ def decode_attention(
         return _kernel("final")(
             inputs=inputs, output_shapes=[q.shape], output_dtypes=[q.dtype], **shape
         )[0]
-    g = heads // kv_heads
     parts = _kernel("partial")(
         inputs=inputs,
         output_shapes=[(b, kv_heads, n, g, dim), (b, kv_heads, n, g), (b, kv_heads, n, g)],
@@ -318,13 +315,14 @@ def _kernel(kind: str) -> Any:
     )
 
 
-def _masked(q, k, v, lengths, scale, sinks=None) -> mx.array:
-    """The same attention through MLX's own op and a mask (other backends, other shapes)."""
-    b = q.shape[0]
+def _masked(q, k, v, lengths, scale, max_len=None, sinks=None) -> mx.array:
+    """The same attention through MLX's own op and a mask (other backends, other shapes), over
+    the first `max_len` keys (the host bound on `lengths`) as the masked decode reads them."""
+    b, n = q.shape[0], max_len or k.shape[2]
     # NOTE: a pad row (length 0) sees key 0, so no row of the softmax is empty.
-    mask = (mx.arange(k.shape[2])[None] < mx.maximum(lengths, 1)[:, None])[:, None, None]
+    mask = (mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None])[:, None, None]
     return mx.fast.scaled_dot_product_attention(
-        q, k[:b], v[:b], scale=scale, mask=mask, sinks=sinks
+        q, k[:b, :, :n], v[:b, :, :n], scale=scale, mask=mask, sinks=sinks
     )
 
 
@@ -338,7 +336,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     counts.calls += 1
     if sinks is not None or not fits(queries, keys, values):
         counts.masked += 1
-        return _masked(queries, keys, values, lengths, scale, sinks)
+        return _masked(queries, keys, values, lengths, scale, max_len, sinks)
     return decode_attention(queries, keys, values, lengths, scale, max_len)
 
 

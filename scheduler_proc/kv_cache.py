@@ -175,10 +175,10 @@ class _RaggedView:
     def mask(
         self, n: int, return_array: bool, window_size: int | None, ring: int | None = None
     ) -> mx.array:
-        # NOTE: one mask per window size: a model with sliding and full layers asks for both.
-        key = (window_size, ring)
         if self.fused and window_size is None:
             return None  # NOTE: unused: the fused kernel bounds each row by its length
+        # NOTE: one mask per window size: a model with sliding and full layers asks for both.
+        key = (window_size, ring)
         if key not in self._masks:
             if ring is None:
                 mask = ragged_mask(self.offset, self._t, self.length, window_size)

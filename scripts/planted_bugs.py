@@ -133,8 +133,8 @@ BUGS = (
     Bug(
         "fused decode's masked twin lets each row see one key past its end",
         "scheduler_proc/decode_attention.py",
-        "< mx.maximum(lengths, 1)[:, None]",
-        "< mx.maximum(lengths, 1)[:, None] + 1",
+        "mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None]",
+        "mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None] + 1",
     ),
     Bug(
         "a prefill step gathers its rows whole before slicing their keys",
