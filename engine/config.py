@@ -36,7 +36,9 @@ class EngineConfig:
         metadata={"help": "Key every HTTP and ZMQ client must present [env MLX_ENGINE_API_KEY]"},
     )
     max_running_requests: int = _opt(
-        32, "Most requests running at once (each holds a KV row of --context-length tokens)"
+        0,
+        "Most requests running at once; 0: what the KV budget holds at 2048 tokens a request, "
+        "at most 256 (KV pages follow the tokens each request holds)",
     )
     chunked_prefill_size: int = _opt(
         0, "Prompt tokens per request per prefill step; 0: 2048 on a GPU, 512 on the CPU"
@@ -46,8 +48,9 @@ class EngineConfig:
     )
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
     context_length: int = _opt(
-        0, "Most tokens (prompt + generated) per request; 0: the model's limit, at most 4096"
+        0, "Most tokens (prompt + generated) per request; 0: the model's own limit"
     )
+    page_size: int = _opt(32, "Tokens per KV page (a request holds whole pages)")
     mem_fraction: float = _opt(0.5, "Fraction of free device memory for the KV cache")
     max_queued_requests: int = _opt(1024, "Requests waiting beyond this get Overloaded")
     disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
@@ -109,7 +112,7 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         # NOTE: max_queued_requests 0 would refuse every request as Overloaded.
         positive = (
-            "max_running_requests",
+            "page_size",
             "max_queued_requests",
             "max_frame_bytes",
             "max_body_bytes",
@@ -122,7 +125,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("chunked_prefill_size", "max_prefill_tokens"):  # NOTE: 0 is "auto"
+        for name in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests"):
+            # NOTE: 0 is "auto"
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.context_length < 0:

@@ -1,4 +1,4 @@
-"""One launched step: one model forward, either prefill chunks or a decode of rows `[0, R)`.
+"""One launched step: one model forward, either prefill chunks or a decode of every running row.
 
 A step is a prefill step (prompt chunks of several requests, padded to one width, no logits
 needed) or a decode step (every decoding row plus the prompts whose last token is due; the last
@@ -25,8 +25,8 @@ class PromptSlice:
 
 @dataclass(eq=False)
 class Batch:
-    """Decode rows are `decode` (rows `[0, D)`) and `joined` (prefilling rows whose last prompt
-    token runs in this forward); rows between them that are not ready ride as padding."""
+    """Forward rows are `decode` then `joined` (prefilling requests whose last fill token runs
+    in this forward), in that order; padding rows follow."""
 
     decode: list[Req] = field(default_factory=list)
     joined: list[Req] = field(default_factory=list)
@@ -36,6 +36,7 @@ class Batch:
     step_index: int = -1  # stamped by prepare_launch
     launch_ts: float | None = None  # stamped by prepare_launch, before graph building
     decode_out: Sampled | None = None
+    new_shape: tuple[int, ...] | None = None  # its shape, when first seen after warm-up
 
     @property
     def rows(self) -> list[Req]:

@@ -1,22 +1,27 @@
-"""Decode attention over rows of different lengths, without a mask (one fused kernel on CUDA).
+"""Decode attention over rows of different lengths, read through a page table, without a mask
+(one fused kernel on CUDA).
 
 A decode step's rows have different lengths, so attention needs a per-row mask, and MLX's fused
 CUDA decode kernel (`sdpa_vector`) takes no array mask: every masked decode step fell back to the
 unfused path (scores, mask, softmax, matmul per layer; H200, B=128: a 15.7 ms forward vs 9.4 ms
 unmasked). This kernel reads each row's own length instead: one block per (row, KV head) walks
 that row's keys in tiles of 128 with an online softmax, for all the query heads sharing the KV
-head, reading the pool's buffers in place (no slice, no copy).
+head, reading the pool's paged buffers in place (no gather, no copy): key t of row b lives at
+slot `table[b, t // P] * P + t % P` of the layer's `(KVH, S, D)` buffers.
 
 mlx-lm's models call `scaled_dot_product_attention` from `mlx_lm.models.base` through a name bound
 in their own module; `install` rebinds that name to `attention`, which runs the kernel when the
-layer's cache says the step is a fused decode and otherwise calls mlx-lm's function unchanged.
-The runner checks with one fused forward at start-up that every full-attention layer went through
+layer's cache says the step is a fused decode (`fused_lengths()` gives `PagedKeys`) and otherwise
+calls mlx-lm's function unchanged. The runner checks the kernel against its masked twin at
+start-up (`self_check`), then with one fused forward that every full-attention layer went through
 it and fitted the kernel (`counts`), and keeps the masked path for a model where one did not.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +31,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
+log = logging.getLogger(__name__)
+
 _TILE = 128  # NOTE: threads per block, and keys per tile: one key per thread in the score phase
+_SHARED = 48 * 1024  # NOTE: static shared memory per block without an opt-in
 
 _HEADER = """
 __device__ inline float warp_max(float v) {
@@ -39,10 +47,13 @@ __device__ inline float warp_sum(float v) {
 }
 """
 
-# NOTE: q (B, KVH * G, 1, D); k, v (rows, KVH, L_MAX, D) with row b of the step in pool row b;
-# lengths (B,) keys per row (0: a pad row, output zeros); scale (1,) float32. Template constants:
-# T, D, G (query heads per KV head), KVH, L_MAX. Blocks: (split, KV head, row); a split walks
-# its share of the row's keys, in whole tiles (one split: the whole row, and the final output).
+# NOTE: q (B, KVH * G, 1, D); k, v (1, KVH, S, D), the pool's slots; table (B, W) pages per row
+# (`table_shape[1]`: W at run time, so a new table width compiles nothing); lengths (B,) keys per
+# row (0: a pad row, output zeros); scale (1,) float32. Template constants: T, D, G (query heads
+# per KV head), KVH, S (slots), P (page size). Blocks: (split, KV head, row); a split walks its
+# share of the row's keys, in whole tiles (one split: the whole row, and the final output). Each
+# tile's slots are looked up once into shared memory: a thread's own for its key's scores, all
+# of them for the V sums.
 _BODY = """
   constexpr int NT = 128;
   constexpr int NW = NT / 32;
@@ -55,13 +66,16 @@ _BODY = """
   const int t = threadIdx.x;
   const int lane = t % 32;
   const int warp = t / 32;
-  const int len = lengths[b];
+  const int W = table_shape[1];
+  // NOTE: never past the row's table, whatever the length says.
+  const int len = min(lengths[b], W * P);
   const int per = (len + gridDim.x * NT - 1) / (gridDim.x * NT) * NT;
   const int k0 = split * per;
   const int k1 = min(len, k0 + per);
 
   __shared__ float qs[G][D];
   __shared__ float ps[G][NT];
+  __shared__ int slots[NT];
   __shared__ float m_run[G];
   __shared__ float l_run[G];
   __shared__ float corr[G];
@@ -79,16 +93,19 @@ _BODY = """
   for (int j = 0; j < OUT; j++) acc[j] = 0.0f;
   __syncthreads();
 
-  const size_t row0 = ((size_t)b * KVH + kvh) * (size_t)L_MAX * D;
-  const T* kb = k + row0;
-  const T* vb = v + row0;
+  const int* pages = table + (size_t)b * W;
+  const T* kb = k + (size_t)kvh * S * D;
+  const T* vb = v + (size_t)kvh * S * D;
   for (int start = k0; start < k1; start += NT) {
     const int key = start + t;
     float s[G];
     for (int g = 0; g < G; g++) s[g] = 0.0f;
     if (key < k1) {
-      // NOTE: 16-byte loads: a key row is D * sizeof(T) bytes, a multiple of 16 (`fits`).
-      const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)key * D);
+      const int slot = pages[key / P] * P + key % P;
+      slots[t] = slot;
+      // NOTE: 16-byte loads: a key row is D * sizeof(T) bytes, a multiple of 16 (`fits`),
+      // contiguous within its slot.
+      const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)slot * D);
 #pragma unroll
       for (int c = 0; c < D / VEC; c++) {
         const uint4 chunk = kr[c];
@@ -127,15 +144,18 @@ _BODY = """
     }
     __syncthreads();
 
+    // NOTE: only the tile's first n slots were written this tile (keys below k1).
     const int n = min(NT, k1 - start);
     for (int j = 0; j < OUT; j++) {
       const int i = t + j * NT;
       if (i < G * D) {
         const int g = i / D;
-        const T* vc = vb + (size_t)start * D + (i % D);
+        const T* vc = vb + (i % D);
         float a = acc[j] * corr[g];
 #pragma unroll 8
-        for (int kk = 0; kk < n; kk++) a += ps[g][kk] * static_cast<float>(vc[(size_t)kk * D]);
+        for (int kk = 0; kk < n; kk++) {
+          a += ps[g][kk] * static_cast<float>(vc[(size_t)slots[kk] * D]);
+        }
         acc[j] = a;
       }
     }
@@ -196,6 +216,22 @@ _COMBINE = """
 _scales: dict[float, mx.array] = {}
 
 
+@dataclass(frozen=True)
+class PagedKeys:
+    """Where a fused decode step's keys are: row b's key t at slot
+    `table[b, t // page_size] * page_size + t % page_size` of the layer's buffers, for
+    t < `lengths[b]` (0: a pad row).
+
+    `table` (B, W) int32 is padded with any valid page id; `lengths` (B,) int32; `max_len` a host
+    bound on `lengths`, at most W * page_size.
+    """
+
+    lengths: mx.array
+    max_len: int
+    table: mx.array
+    page_size: int
+
+
 @dataclass
 class Counts:
     """Fused calls since start, and those that had to take the masked path (`fits` false)."""
@@ -215,15 +251,22 @@ def available() -> bool:
 
 
 def fits(q: mx.array, k: mx.array, v: mx.array) -> bool:
-    """Shapes the kernel takes: D up to 256 in whole 16-byte loads, K and V alike, whole query
-    heads per KV head."""
+    """Shapes the kernel takes: one query per row, K and V alike as one (1, KVH, S, D) buffer
+    each in q's dtype, D up to 256 in whole 16-byte loads, whole query heads per KV head, and
+    the block's shared memory within the static limit."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[-1]
+    g = heads // kv_heads
     return (
         q.shape[2] == 1
-        and k.shape[-1] == v.shape[-1] == dim <= 256
+        and k.ndim == 4
+        and k.shape[0] == 1
+        and k.shape == v.shape
+        and q.dtype == k.dtype == v.dtype
+        and k.shape[-1] == dim <= 256
         and dim * k.dtype.size % 16 == 0
         and heads % kv_heads == 0
-        and heads // kv_heads <= 32
+        and g <= 32
+        and 4 * (g * (dim + _TILE + 3) + _TILE) <= _SHARED
     )
 
 
@@ -231,30 +274,28 @@ def decode_attention(
     q: mx.array,
     k: mx.array,
     v: mx.array,
-    lengths: mx.array,
+    keys: PagedKeys,
     scale: float,
-    max_len: int | None = None,
     splits: int | None = None,
 ) -> mx.array:
-    """softmax(q k^T * scale) v for q (B, H, 1, D) over the first `lengths[b]` keys of row b
-    of k, v (rows, KVH, L, D); a row of length 0 (padding) gives zeros. `max_len` bounds the
-    lengths (host side; default L); `splits` per row (default: `split_count`)."""
+    """softmax(q k^T * scale) v for q (B, H, 1, D) over row b's first `keys.lengths[b]` keys,
+    read through `keys.table` from k, v (1, KVH, S, D); a row of length 0 (padding) gives zeros.
+    `splits` per row (default: `split_count`)."""
     if not available():
-        return _masked(q, k, v, lengths, scale, max_len)
+        return _masked(q, k, v, keys, scale)
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     g = heads // kv_heads
-    n = splits or split_count(b * kv_heads, max_len or k.shape[2])
-    if scale not in _scales:
-        _scales[scale] = mx.array([scale], dtype=mx.float32)
+    n = splits or split_count(b * kv_heads, keys.max_len)
     template = [
         ("T", q.dtype),
         ("D", dim),
         ("G", g),
         ("KVH", kv_heads),
-        ("L_MAX", k.shape[2]),
+        ("S", k.shape[2]),
+        ("P", keys.page_size),
     ]
-    inputs = [q, k, v, lengths, _scales[scale]]
+    inputs = [q, k, v, keys.table, keys.lengths, _scale(scale)]
     shape = dict(grid=(_TILE * n, kv_heads, b), threadgroup=(_TILE, 1, 1), template=template)
     if n == 1:
         return _kernel("final")(
@@ -293,21 +334,27 @@ def split_count(blocks: int, max_len: int, target: int = 256, min_len: int = 102
     return n
 
 
+def _scale(scale: float) -> mx.array:
+    """The scale as a (1,) array, made once per value: a template constant would compile a
+    variant per value."""
+    if scale not in _scales:
+        _scales[scale] = mx.array([scale], dtype=mx.float32)
+    return _scales[scale]
+
+
 @functools.cache
 def _kernel(kind: str) -> Any:
-    """Built once each; NVRTC compiles one variant per template (dtype, head shape, row length)."""
+    """Built once each; NVRTC compiles one variant per template (dtype, head shape, pool size,
+    page size)."""
+    body = ["q", "k", "v", "table", "lengths", "scale"]
     io = {
-        "final": (["q", "k", "v", "lengths", "scale"], ["out"], _BODY + _FINAL),
-        "partial": (
-            ["q", "k", "v", "lengths", "scale"],
-            ["o_part", "m_part", "l_part"],
-            _BODY + _PARTIAL,
-        ),
+        "final": (body, ["out"], _BODY + _FINAL),
+        "partial": (body, ["o_part", "m_part", "l_part"], _BODY + _PARTIAL),
         "combine": (["o_part", "m_part", "l_part"], ["out"], _COMBINE),
     }
     inputs, outputs, source = io[kind]
     return mx.fast.cuda_kernel(
-        name=f"varlen_decode_attention_{kind}",
+        name=f"paged_decode_attention_{kind}",
         input_names=inputs,
         output_names=outputs,
         source=source,
@@ -315,29 +362,48 @@ def _kernel(kind: str) -> Any:
     )
 
 
-def _masked(q, k, v, lengths, scale, max_len=None, sinks=None) -> mx.array:
-    """The same attention through MLX's own op and a mask (other backends, other shapes), over
-    the first `max_len` keys (the host bound on `lengths`) as the masked decode reads them."""
-    b, n = q.shape[0], max_len or k.shape[2]
-    # NOTE: a pad row (length 0) sees key 0, so no row of the softmax is empty.
+def _masked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    keys: PagedKeys,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """The same attention through MLX's own op and a mask (other backends, other shapes): each
+    row's pages gathered, the first `max_len` keys (the host bound on the lengths) kept."""
+    p, width = keys.page_size, keys.table.shape[1]
+    # NOTE: at least key 0: a pad row (length 0) sees it, so no row of the softmax is empty.
+    n = min(max(keys.max_len, 1), width * p)
+    table = keys.table[:, : -(-n // p)]  # NOTE: only the pages the bound reaches
+    lengths = keys.lengths
     mask = (mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None])[:, None, None]
     return mx.fast.scaled_dot_product_attention(
-        q, k[:b, :, :n], v[:b, :, :n], scale=scale, mask=mask, sinks=sinks
+        q, _gather(k, table, p, n), _gather(v, table, p, n), scale=scale, mask=mask, sinks=sinks
     )
+
+
+def _gather(buf: mx.array, table: mx.array, page_size: int, n: int) -> mx.array:
+    """Rows' first n keys (B, KVH, n, D) from the pool buffer (1, KVH, S, D) through the table."""
+    _, kv_heads, slots, dim = buf.shape
+    b, width = table.shape
+    # NOTE: a reshape, not `buf[0]`: on the CPU an indexed slice copies the whole buffer
+    pages = buf.reshape(kv_heads, slots // page_size, page_size, dim)[:, table]
+    rows = pages.reshape(kv_heads, b, width * page_size, dim).transpose(1, 0, 2, 3)
+    return rows[:, :, :n]
 
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, with the fused decode where the cache asks."""
     fused = getattr(cache, "fused_lengths", None)
-    fused = fused() if fused is not None else None
-    if fused is None:
+    paged: PagedKeys | None = fused() if fused is not None else None
+    if paged is None:
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
-    lengths, max_len = fused
     counts.calls += 1
     if sinks is not None or not fits(queries, keys, values):
         counts.masked += 1
-        return _masked(queries, keys, values, lengths, scale, max_len, sinks)
-    return decode_attention(queries, keys, values, lengths, scale, max_len)
+        return _masked(queries, keys, values, paged, scale, sinks)
+    return decode_attention(queries, keys, values, paged, scale)
 
 
 def install(model: nn.Module) -> int:
@@ -352,3 +418,72 @@ def install(model: nn.Module) -> int:
         elif fn is attention:
             rebound += 1
     return rebound
+
+
+def self_check(
+    dtype: mx.Dtype = mx.bfloat16,
+    *,
+    heads: int = 12,
+    kv_heads: int = 3,
+    dim: int = 128,
+    page_size: int = 32,
+) -> bool:
+    """Whether the kernel agrees with its masked twin on a small paged case (shuffled pages,
+    GQA, a pad row; in one pass and in several splits); True off CUDA, where nothing runs it.
+    The runner keeps the masked path when this is False, so a wrong kernel never serves."""
+    if not available():
+        return True
+    lengths = [300, 0, 1, 129, 64, 1100]
+    tol = 2e-3 if dtype == mx.float32 else 3e-2
+    try:
+        q, k, v, keys = _random_case(heads, kv_heads, dim, lengths, page_size, dtype)
+        # NOTE: the reference in float32: only the kernel's own rounding is left to tolerate
+        f32 = mx.float32
+        want = _masked(q.astype(f32), k.astype(f32), v.astype(f32), keys, dim**-0.5)
+        real = (keys.lengths > 0)[:, None, None, None]
+        for splits in (1, 4):
+            got = decode_attention(q, k, v, keys, dim**-0.5, splits).astype(mx.float32)
+            # NOTE: NaN is never close, and a pad row must come out exactly zero
+            close = mx.allclose(mx.where(real, got, want), want, atol=tol, rtol=tol).item()
+            if not close or mx.any(mx.where(real, 0, got) != 0).item():
+                log.warning("decode attention: the kernel disagrees (%s, %d splits)", dtype, splits)
+                return False
+    except Exception as e:  # NOTE: a kernel that fails to build or run must not serve either
+        log.warning("decode attention: the kernel failed its check: %s", e)
+        return False
+    return True
+
+
+def _random_case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    lengths: list[int],
+    page_size: int,
+    dtype: mx.Dtype,
+    seed: int = 0,
+) -> tuple[mx.array, mx.array, mx.array, PagedKeys]:
+    """q, pool buffers and `PagedKeys` for rows of these lengths, their pages shuffled across the
+    pool (page 0 the scratch page that pads the table): `self_check`'s case."""
+    kq, kk, kv = mx.random.split(mx.random.key(seed), 3)  # NOTE: the global seeds untouched
+    p = page_size
+    need = [-(-n // p) for n in lengths]
+    width = max(max(need), 1)
+    pages = 1 + sum(need) + 3  # NOTE: the scratch page, the rows' pages, a few free ones
+    order = list(range(1, pages))
+    random.Random(seed).shuffle(order)
+    table, used = [], 0
+    for m in need:
+        table.append(order[used : used + m] + [0] * (width - m))
+        used += m
+    b, shape = len(lengths), (1, kv_heads, pages * p, dim)
+    q = mx.random.normal((b, heads, 1, dim), key=kq).astype(dtype)
+    k = mx.random.normal(shape, key=kk).astype(dtype)
+    v = mx.random.normal(shape, key=kv).astype(dtype)
+    keys = PagedKeys(
+        lengths=mx.array(lengths, dtype=mx.int32),
+        max_len=max(lengths),
+        table=mx.array(table, dtype=mx.int32),
+        page_size=p,
+    )
+    return q, k, v, keys

@@ -1,47 +1,69 @@
-"""How the KV token budget is spent: request rows of how many tokens, and the prefix store."""
+"""How the KV budget is spent: pages of full-attention K/V, and slots (one per running request)
+for what is bounded per request (window rings, recurrent state).
+
+Rules (docs/kv_cache.md), each named in the start-up log:
+- context: `--context-length`, else the model's own limit (`max_position_embeddings`), at most
+  what the pages hold;
+- running requests: `--max-running-requests`, else what the budget holds at a typical request of
+  `TYPICAL_REQUEST_TOKENS` tokens, at most `MAX_AUTO_RUNNING` (the largest warmed batch);
+- pages: the rest of the budget after the slots, in pages of `--page-size` tokens; allocated
+  at once on CUDA (the device's memory is the engine's), and from `INITIAL_TOKENS`, doubling as
+  tokens arrive, where the KV shares memory with the rest of the machine (Apple silicon, CPU).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.memory import KVBudget, kv_budget
-from scheduler_proc.kv_cache import ring_size
 
-# NOTE: rows are preallocated, so an unbounded context would reserve memory nobody uses;
-# without --context-length a row holds at most this many tokens (or the model's limit).
-DEFAULT_CONTEXT_CAP = 4096
-
-# NOTE: with the prefix cache on, the store holds up to this share of what the rows hold; it is
-# sized after the rows and never takes one away (see docs/prefix_cache.md).
-STORE_SHARE = 0.25
+# NOTE: a chat or completion is a few hundred to a few thousand tokens; an agent's 10-30k. Pages
+# follow the tokens held, so this only sizes the batch the engine is ready to run.
+TYPICAL_REQUEST_TOKENS = 2048
+MAX_AUTO_RUNNING = 256
+INITIAL_TOKENS = 32768
 
 
 @dataclass(frozen=True)
 class KVPlan:
-    rows: int
-    row_len: int
-    store_tokens: int  # prefix store slots; 0: no prefix cache
+    pages: int
+    page_size: int
+    slots: int  # most requests running at once
+    context: int  # most tokens (prompt + generated) of one request
     budget: KVBudget
-    rows_wanted: int  # --max-running-requests
-    # NOTE: a row's recurrent state, less what its window layers' rings save against a full
-    # row, in tokens' worth of KV bytes (negative when the rings save more than the state costs).
-    row_extra_tokens: int = 0
+    slot_tokens: int = 0  # a slot's rings and state, in tokens' worth of full-layer KV
+    slots_rule: str = "--max-running-requests"
+    context_rule: str = "--context-length"
+    initial_pages: int = 0  # allocated at start (0: all of `pages`); the pool grows to `pages`
 
     @property
     def tokens(self) -> int:
-        """Tokens allocated: request rows (state and rings included), the scratch row, the store."""
-        return (self.rows + 1) * (self.row_len + self.row_extra_tokens) + self.store_tokens
+        """Token capacity of the pages (the scratch page not counted)."""
+        return self.pages * self.page_size
+
+    @property
+    def allocated_tokens(self) -> int:
+        """Tokens' worth of KV allocated: pages, scratch page, every slot and the scratch slot."""
+        return (self.pages + 1) * self.page_size + (self.slots + 1) * self.slot_tokens
+
+    @property
+    def start_pages(self) -> int:
+        return self.initial_pages or self.pages
 
     def describe(self) -> str:
-        gib = self.tokens * self.budget.bytes_per_token / 2**30
-        rows = f"{self.rows} rows"
-        if self.rows < self.rows_wanted:
-            rows += f" (memory allows {self.rows} of the {self.rows_wanted} asked)"
+        gib = self.allocated_tokens * self.budget.bytes_per_token / 2**30
+        slots = f"; per request {self.slot_tokens} tokens' worth of rings/state" * bool(
+            self.slot_tokens
+        )
+        grows = ""
+        if self.start_pages < self.pages:
+            grows = f", {self.start_pages} allocated now, doubling as tokens arrive"
         return (
-            f"KV allocated {gib:.2f} GiB: {rows} x {self.row_len} tokens + prefix store "
-            f"{self.store_tokens} tokens; cap: {self.budget.describe()}"
+            f"KV up to {gib:.2f} GiB: {self.pages} pages x {self.page_size} tokens "
+            f"({self.tokens} tokens{grows}){slots}; max running requests {self.slots} "
+            f"({self.slots_rule}); context {self.context} tokens ({self.context_rule}); "
+            f"cap: {self.budget.describe()}"
         )
 
 
@@ -50,30 +72,35 @@ def plan_kv(
     bytes_per_token: int,
     max_positions: int | None,
     weights: int = 0,
-    row_state_bytes: int = 0,
-    prefix_cache_ok: bool = True,
-    windows: Sequence[tuple[int, int]] = (),
-    chunk: int | None = None,
+    slot_bytes: int = 0,
+    grow: bool = False,
 ) -> KVPlan:
-    """Rows for --max-running-requests first, then the store, all within the memory cap.
+    """Slots first (each costs `slot_bytes`), then pages, all within the memory cap.
 
-    The pool is sized from what the rows need, not from the device: the cap (--mem-fraction or
-    --max-total-tokens) only bounds it. One extra row is the scratch row padded forwards write to.
-    A row's recurrent state (`row_state_bytes`, hybrid models) counts as that many bytes of KV;
-    a window layer (`windows`: its bytes per token and window) as its ring (`ring_size`).
+    `bytes_per_token`: one token of every full-attention layer (what a page holds per token).
     """
     budget = kv_budget(config.max_total_tokens, config.mem_fraction, bytes_per_token, weights)
-    total = budget.tokens
-    cap = config.context_length or min(max_positions or DEFAULT_CONTEXT_CAP, DEFAULT_CONTEXT_CAP)
-    row_len = max(2, min(cap, total // 2))
-    saved = 0
-    for layer_bytes, window in windows:
-        ring = ring_size(window, chunk, row_len)
-        saved += 0 if ring is None else (row_len - ring) * layer_bytes
-    extra = -(-(row_state_bytes - saved) // bytes_per_token)
-    want = config.max_running_requests
-    rows = max(1, min(want, total // (row_len + extra) - 1))
-    left = max(0, total - (rows + 1) * (row_len + extra))
-    off = config.disable_radix_cache or not prefix_cache_ok
-    store = 0 if off else min(left, int(rows * row_len * STORE_SHARE))
-    return KVPlan(rows, row_len, store, budget, want, extra)
+    page = config.page_size
+    total = max(budget.tokens, 2 * page)
+    slot_tokens = -(-slot_bytes // bytes_per_token)
+    if config.max_running_requests:
+        slots, slots_rule = config.max_running_requests, "--max-running-requests"
+    else:
+        fit = total // (TYPICAL_REQUEST_TOKENS + slot_tokens)
+        slots = min(MAX_AUTO_RUNNING, fit)
+        slots_rule = f"budget / {TYPICAL_REQUEST_TOKENS}-token requests, at most {MAX_AUTO_RUNNING}"
+    # NOTE: slots never take every page: at least one request of two pages must fit.
+    slots = max(1, min(slots, (total - 2 * page) // max(1, slot_tokens) - 1))
+    pages = max(2, (total - (slots + 1) * slot_tokens) // page - 1)
+    if config.context_length:
+        context, context_rule = config.context_length, "--context-length"
+    elif max_positions:
+        context, context_rule = max_positions, "the model's max_position_embeddings"
+    else:
+        context, context_rule = pages * page, "no model limit: the KV pages"
+    if context > pages * page:
+        context, context_rule = pages * page, f"{context_rule}, cut to what the KV pages hold"
+    initial = min(pages, -(-INITIAL_TOKENS // page)) if grow else 0
+    return KVPlan(
+        pages, page, slots, max(2, context), budget, slot_tokens, slots_rule, context_rule, initial
+    )

@@ -1,110 +1,111 @@
-"""Row KV pool: preallocated per-layer K/V buffers, one row per running request.
+"""Paged KV pool: full-attention K/V in pages, window rings and recurrent state per slot.
 
-Storage is `(rows, kv_heads, row_len, head_dim)` per layer, allocated once. Rows in use are kept
-compact (`[0, rows_in_use)`), so a batched step reads `K[:B, :, :L]` as a slice. The per-layer
-`LayerCache` objects speak mlx-lm's cache protocol (`update_and_fetch`, `offset`, `make_mask`), so
-mlx-lm models run on it unpatched. See docs/kv_cache.md for the decision and its measurements.
+Storage, allocated once (docs/kv_cache.md):
+- a full-attention layer holds `(kv_heads, (pages + 1) * page_size, dim)` keys and values: token
+  slot `page * page_size + offset`; a request's page table lists its pages in position order, so
+  its token at position p sits in slot `table[p // page_size] * page_size + p % page_size`. The
+  pages grow by doubling, between steps, up to the planned capacity (`grow`), so memory in use
+  follows the tokens held rather than the budget;
+- a sliding-window layer holds a ring of `window + chunk - 1` entries per running request
+  (`(slots + 1, kv_heads, ring, dim)`): bounded per request, never paged;
+- a recurrent layer holds a fixed-size state per running request (`(slots + 1, ...)`).
+Page 0 and the last slot are scratch: a padded forward's padding writes there, so nothing in use
+ever sees it.
 
-Per-layer kinds, from the model's own `make_cache()` (docs/models.md): full attention (`KVCache`),
-sliding-window attention (`RotatingKVCache`: the row keeps every token, the layer attends to its last
-`window`) and recurrent state (`ArraysCache`: linear attention, Mamba, short convolutions: a
-fixed-size state per row, gathered for the step's rows and scattered back, zeroed on admission).
-
-Allocation API (used by the scheduler and the prefix cache):
-`alloc() -> row`, `copy_row(src, dst)`, `pop_row()`, `read_row(row, end)`, `write_row(row, kv)`.
-Views select what the step's one forward touches: `row_view(row, start)` (one row, int offset:
-mlx-lm's own single-stream path) or `ragged_view(plan, kv_len)` (a padded batch of rows, each
-with its own start and number of real tokens: every decode row and prefill chunk of a step).
+Views say what one forward touches, and each forward gets its own caches bound to its view
+(`row_view`, `ragged_view`): no state on the pool says which step is running. The caches speak
+mlx-lm's protocol (`update_and_fetch`, `offset`, `make_mask`; `ArraysCache` indexing for state),
+so mlx-lm models run on it unpatched. A full layer's keys are read by gathering the rows' pages
+into one contiguous batch (a slice when a lone row's pages are one run); in a fused decode (CUDA,
+`decode_attention`) the kernel reads them through the page table instead.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from engine.errors import ModelError
+from scheduler_proc.decode_attention import PagedKeys
+from scheduler_proc.kv_layout import LayerShape, Layout, ring_size
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    kv_heads: int
-    k_dim: int
-    v_dim: int
-    dtype: mx.Dtype
-    window: int | None = None  # a sliding-window layer attends to its last `window` tokens
+class StepRows:
+    """What one forward covers (host side): per forward row, its request's slot and page table,
+    the position of its first token and how many of its `width` tokens are real (0: a pad row)."""
+
+    slots: list[int]
+    tables: list[list[int]]
+    starts: list[int]
+    lengths: list[int]
+    width: int
 
 
-@dataclass(frozen=True)
-class StateShape:
-    """A recurrent layer's state per row: one array per entry, shapes without the batch axis."""
-
-    arrays: tuple[tuple[tuple[int, ...], mx.Dtype], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(math.prod(shape) * dtype.size for shape, dtype in self.arrays)
+def token_slots(table: list[int], start: int, n: int, page: int) -> np.ndarray:
+    """Pool slots of positions `[start, start + n)` of a request with page table `table`."""
+    pos = np.arange(start, start + n)
+    return np.asarray(table, dtype=np.int64)[pos // page] * page + pos % page
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The model's cache list, in its order: `("kv", i)` or `("state", j)` for each entry."""
-
-    entries: tuple[tuple[str, int], ...]
-    kv: tuple[LayerShape, ...]
-    states: tuple[StateShape, ...] = ()
-
-    @classmethod
-    def attention_only(cls, shapes: list[LayerShape]) -> Layout:
-        return cls(tuple(("kv", i) for i in range(len(shapes))), tuple(shapes))
-
-    @property
-    def state_bytes_per_row(self) -> int:
-        return sum(s.nbytes for s in self.states)
-
-
-def bytes_per_token(shapes: list[LayerShape] | tuple[LayerShape, ...]) -> int:
-    return sum(s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size for s in shapes)
+def contiguous_run(table: list[int], n_pages: int) -> bool:
+    """Whether a table's first `n_pages` pages are one ascending run (a slice of the pool)."""
+    if len(table) < n_pages:
+        return False
+    if n_pages <= 1:
+        return True
+    first = table[0]
+    return table[:n_pages] == list(range(first, first + n_pages))
 
 
 class _RowView:
-    """One row at an int offset, no padding: exactly mlx-lm's single-stream KVCache path."""
+    """One request at an int offset, no padding: exactly mlx-lm's single-stream path."""
 
     lengths = None  # NOTE: no padding, so recurrent layers take mlx-lm's unmasked path
 
-    def __init__(self, row: int, start: int) -> None:
-        self.row, self.offset = row, start
-        self.state_rows = self.state_write = slice(row, row + 1)
+    def __init__(self, pool: KVPool, slot: int, table: list[int], start: int, n: int = 1) -> None:
+        self.pool, self.slot, self.table, self.offset = pool, slot, table, start
+        self.state_rows = self.state_write = slice(slot, slot + 1)
+        # NOTE: checked once per forward, not per layer: whether its keys are one slice.
+        self._run = contiguous_run(table, pool.pages_for(start + n))
 
-    def write(self, buf: mx.array, new: mx.array, ring: int | None) -> mx.array:
-        r, s = self.row, self.offset
-        if ring is not None:
-            assert new.shape[2] == 1, "a lone row writes one token"
-            s %= ring
-        buf[r : r + 1, :, s : s + new.shape[2]] = new
+    def fused_keys(self, window: int | None) -> None:
+        return None
+
+    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+        p, n = self.pool.page_size, new.shape[2]
+        if self._run:
+            s0 = self.table[0] * p + self.offset
+            buf[:, s0 : s0 + n] = new[0]
+        else:
+            idx = token_slots(self.table, self.offset, n, p)
+            buf[:, mx.array(idx, dtype=mx.int32)] = new[0]
         return buf
 
-    def read(self, buf: mx.array, n: int, window: int | None, ring: int | None) -> mx.array:
-        end = self.offset + n
-        if ring is not None:
-            return buf[self.row : self.row + 1, :, : min(end, ring)]
-        # NOTE: mlx-lm asks no mask of a one-token query; a window layer then must be handed only
-        # its last `window` keys, as mlx-lm's RotatingKVCache holds.
-        start = max(0, end - window) if window is not None and n == 1 else 0
-        return buf[self.row : self.row + 1, :, start:end]
+    def read(self, buf: mx.array, n: int) -> mx.array:
+        return self.pool.gather([self.table], self.offset + n, buf, run=self._run)
+
+    def write_ring(self, buf: mx.array, new: mx.array, ring: int) -> mx.array:
+        assert new.shape[2] == 1, "a lone row writes one token"
+        s, r = self.offset % ring, self.slot
+        buf[r : r + 1, :, s : s + 1] = new
+        return buf
+
+    def read_ring(self, buf: mx.array, n: int, ring: int) -> mx.array:
+        return buf[self.slot : self.slot + 1, :, : min(self.offset + n, ring)]
 
     def mask(self, n: int, return_array: bool, window_size: int | None, ring: int | None = None):
         if ring is not None:
             end = self.offset + n
-            if end <= window_size:
+            if window_size is None or end <= window_size:
                 return None  # NOTE: every key read is in the window
             ends = mx.array([end], dtype=mx.int32)
             starts = mx.array([self.offset], dtype=mx.int32)
             return ring_mask(starts, ends, n, min(end, ring), ring, window_size)
         if n == 1:
-            return None  # NOTE: a window layer reads only its window (`read`)
+            return None
         return mlx_cache.create_attention_mask(n, self.offset, return_array, window_size)
 
     def ssm_mask(self, n: int) -> None:
@@ -114,68 +115,92 @@ class _RowView:
 class _RaggedView:
     """A padded batch of R rows x T query positions over the pool, for one forward.
 
-    Row i of the forward holds `lengths[i]` real tokens (0 for a pad row) at positions
-    `starts[i]:starts[i] + lengths[i]` of pool row `rows[i]`. Real tokens are written in place with
-    one scatter; padding is written to the scratch row, so no row in use ever sees it. Attention
-    reads keys `[0, kv_len)` (a bucketed length) of the rows: a slice when they are `[0, R)` (a
-    decode step), a gather otherwise (a prefill step, where the gather is small next to the work).
-
-    `fused` (a decode step on CUDA, `scheduler_proc.decode_attention`): full-attention layers hand
-    attention the whole buffers and each row's key count instead of a slice and a mask.
+    Row i holds `lengths[i]` real tokens at positions `starts[i]:starts[i] + lengths[i]` of the
+    request in slot `slots[i]`. Real tokens are written in place with one scatter per layer;
+    padding goes to the scratch page (full layers) or the scratch slot (rings, state). Attention
+    reads keys `[0, kv_len)` of every row (a bucketed length): the rows' pages gathered, or, in a
+    fused decode, the whole buffers and the page table.
     """
 
-    def __init__(self, plan: StepRows, scratch: int, kv_len: int, fused: bool = False) -> None:
-        self.length = kv_len
-        t = plan.width
+    def __init__(self, pool: KVPool, plan: StepRows, kv_len: int, fused: bool = False) -> None:
+        self.pool, self.plan, self.length = pool, plan, kv_len
+        self._t = t = plan.width
         self.offset = mx.array(plan.starts, dtype=mx.int32)
-        self._read_rows = plan.read_rows()
-        rows, pos = plan.write_index(scratch)
-        self._write = (mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32))
-        self._t = t
         self._ends = self.offset + mx.array(plan.lengths, dtype=mx.int32)
+        self._write_idx = mx.array(self._write_slots(), dtype=mx.int32)
+        self._tables = pool.table_array(plan.tables, pool.pages_for(kv_len))
+        one = len(plan.tables) == 1
+        self._run = one and contiguous_run(plan.tables[0], pool.pages_for(kv_len))
         self._masks: dict[tuple[int | None, int | None], mx.array] = {}
-        self._ring_pos: dict[int, mx.array] = {}
-        # NOTE: recurrent state: read for every forward row, written back only for rows with real
-        # tokens (pad rows write the scratch row); `lengths` tells the model's conv / scan which
-        # positions are real, so padding never updates a row's state.
-        self.state_rows = self._read_rows
-        self.state_write = mx.array(
-            [r if n else scratch for r, n in zip(plan.rows, plan.lengths, strict=True)], mx.int32
+        self._rings: dict[int, tuple[mx.array, mx.array]] = {}
+        scratch = pool.scratch_slot
+        n = len(plan.slots)
+        self._slot_rows = (
+            slice(0, n) if plan.slots == list(range(n)) else mx.array(plan.slots, dtype=mx.int32)
         )
-        padded = any(n < t for n in plan.lengths)
+        # NOTE: recurrent state: read for every forward row, written back only for rows with real
+        # tokens (pad rows write the scratch slot); `lengths` tells the model's conv / scan which
+        # positions are real, so padding never updates a row's state.
+        self.state_rows = self._slot_rows
+        self.state_write = mx.array(
+            [s if k else scratch for s, k in zip(plan.slots, plan.lengths, strict=True)], mx.int32
+        )
+        padded = any(k < t for k in plan.lengths)
         self.lengths = mx.array(plan.lengths, dtype=mx.int32) if padded else None
-        # NOTE: the kernel reads row b of the step from pool row b: decode rows are [0, R).
-        reads_first_rows = isinstance(self._read_rows, slice) and self._read_rows.start == 0
-        self.fused = fused and t == 1 and reads_first_rows
+        self.fused = fused and t == 1
 
-    def write(self, buf: mx.array, new: mx.array, ring: int | None) -> mx.array:
-        rows, pos = self._write
-        if ring is not None:
-            # NOTE: scratch positions are below the width, itself at most the ring: unchanged.
-            if ring not in self._ring_pos:
-                self._ring_pos[ring] = pos % ring
-            pos = self._ring_pos[ring]
+    def _write_slots(self) -> np.ndarray:
+        plan, page = self.plan, self.pool.page_size
+        scratch = self.pool.scratch_page * page + np.arange(plan.width) % page
+        rows = []
+        for table, start, n in zip(plan.tables, plan.starts, plan.lengths, strict=True):
+            real = token_slots(table, start, n, page) if n else np.zeros(0, np.int64)
+            rows.append(np.concatenate([real, scratch[n:]]))
+        return np.concatenate(rows)
+
+    def fused_keys(self, window: int | None) -> PagedKeys | None:
+        """A fused full-attention layer's keys: per-row counts, their host bound and the table."""
+        if not self.fused or window is not None:
+            return None
+        return PagedKeys(self._ends, self.length, self._tables, self.pool.page_size)
+
+    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+        r, h, t, d = new.shape
+        # NOTE: (R, kv_heads, T, dim) -> (kv_heads, R * T, dim), the shape of buf[:, idx].
+        buf[:, self._write_idx] = new.transpose(1, 0, 2, 3).reshape(h, r * t, d)
+        return buf
+
+    def read(self, buf: mx.array, n: int) -> mx.array:
+        if self.fused:
+            return buf[None]  # NOTE: the kernel reads through the table (`fused_keys`)
+        return self.pool.gather(self.plan.tables, self.length, buf, self._tables, self._run)
+
+    def write_ring(self, buf: mx.array, new: mx.array, ring: int) -> mx.array:
+        rows, pos = self._ring_index(ring)
         # NOTE: (R, kv_heads, T, dim) -> (R, T, kv_heads, dim), the shape of buf[rows, :, pos].
         buf[rows, :, pos] = new.transpose(0, 2, 1, 3)
         return buf
 
-    def read(self, buf: mx.array, n: int, window: int | None, ring: int | None) -> mx.array:
-        if self.fused and window is None:
-            return buf  # NOTE: `fused_ends` bounds each row's keys
-        keys = self.length if ring is None else min(ring, self.length)
-        # NOTE: slice the keys first, then pick the rows: `buf[rows, :, :keys]` gathers whole
-        # rows before slicing (CPU, 11 rows of a 4096-token pool: 18 ms per layer vs 0.3 ms).
-        return buf[:, :, :keys][self._read_rows]
+    def _ring_index(self, ring: int) -> tuple[mx.array, mx.array]:
+        if ring not in self._rings:
+            plan, scratch = self.plan, self.pool.scratch_slot
+            rows, pos = [], []
+            for slot, start, n in zip(plan.slots, plan.starts, plan.lengths, strict=True):
+                rows.append([slot] * n + [scratch] * (plan.width - n))
+                # NOTE: scratch positions are below the width, itself at most the ring.
+                pos.append([(start + i) % ring for i in range(n)] + list(range(n, plan.width)))
+            self._rings[ring] = (mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32))
+        return self._rings[ring]
 
-    def fused_ends(self, window: int | None) -> tuple[mx.array, int] | None:
-        """Keys per row for a fused full-attention layer, and a host bound on them (None: the
-        layer takes the mask)."""
-        return (self._ends, self.length) if self.fused and window is None else None
+    def read_ring(self, buf: mx.array, n: int, ring: int) -> mx.array:
+        # NOTE: slice the keys first, then pick the rows: `buf[rows, :, :keys]` gathers whole
+        # rows before slicing.
+        return buf[:, :, : min(ring, self.length)][self._slot_rows]
 
     def mask(
         self, n: int, return_array: bool, window_size: int | None, ring: int | None = None
-    ) -> mx.array:
-        if self.fused and window_size is None:
+    ) -> mx.array | None:
+        if self.fused and ring is None:
             return None  # NOTE: unused: the fused kernel bounds each row by its length
         # NOTE: one mask per window size: a model with sliding and full layers asks for both.
         key = (window_size, ring)
@@ -194,6 +219,9 @@ class _RaggedView:
         return mx.arange(n)[None] < self.lengths[:, None]
 
 
+View = _RowView | _RaggedView
+
+
 def ragged_mask(starts: mx.array, width: int, kv_len: int, window: int | None) -> mx.array:
     """(R, 1, T, L): query t of row r (at position starts[r] + t) sees keys up to its own."""
     keys = mx.arange(kv_len)[None, None]
@@ -205,7 +233,7 @@ def ragged_mask(starts: mx.array, width: int, kv_len: int, window: int | None) -
 
 
 def ring_mask(
-    starts: mx.array, ends: mx.array, width: int, keys: int, ring: int, window: int
+    starts: mx.array, ends: mx.array, width: int, keys: int, ring: int, window: int | None
 ) -> mx.array:
     """(R, 1, T, keys) over a window layer's ring of `ring` entries (position p in entry p % ring).
 
@@ -218,89 +246,67 @@ def ring_mask(
     pos = e - 1 - ((e - 1 - mx.arange(keys)[None]) % ring)
     query = mx.minimum(starts[:, None] + mx.arange(width)[None], e - 1)
     p, q = pos[:, None, :], query[:, :, None]
-    visible = (p >= 0) & (p <= q) & (p > q - window)
+    visible = (p >= 0) & (p <= q)
+    if window is not None:
+        visible = visible & (p > q - window)
     return visible[:, None]
 
 
-@dataclass(frozen=True)
-class StepRows:
-    """Which pool rows a forward covers and where each row's tokens go (host-side plan)."""
-
-    rows: list[int]  # pool row of each forward row (pad rows: any row, never written)
-    starts: list[int]  # position of each row's first token
-    lengths: list[int]  # real tokens per row; 0 for a pad row
-    width: int  # T, the padded query length
-
-    def read_rows(self) -> slice | mx.array:
-        n = len(self.rows)
-        if self.rows == list(range(n)):
-            return slice(0, n)
-        return mx.array(self.rows, dtype=mx.int32)
-
-    def write_index(self, scratch: int) -> tuple[list[list[int]], list[list[int]]]:
-        rows, pos = [], []
-        for row, start, n in zip(self.rows, self.starts, self.lengths, strict=True):
-            rows.append([row] * n + [scratch] * (self.width - n))
-            pos.append([start + t for t in range(n)] + list(range(n, self.width)))
-        return rows, pos
-
-
 class LayerCache:
-    """What a model layer sees: mlx-lm's cache protocol over one layer of the pool."""
+    """What an attention layer sees in one forward: mlx-lm's cache protocol over its view."""
 
-    def __init__(self, pool: KVPool, layer: int) -> None:
-        self._pool, self._layer = pool, layer
+    def __init__(self, pool: KVPool, layer: int, view: View) -> None:
+        self._pool, self._layer, self._view = pool, layer, view
         self._window = pool.shapes[layer].window
         self._ring = pool.rings[layer]
 
     @property
     def offset(self):
-        return self._pool.view.offset
+        return self._view.offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        return self._pool.update(self._layer, keys, values)
+        return self._pool.update(self._layer, self._view, keys, values)
 
-    def fused_lengths(self) -> tuple[mx.array, int] | None:
-        """Keys per row (and their host bound) when this layer's attention runs the fused decode
-        (`decode_attention`)."""
-        ends = getattr(self._pool.view, "fused_ends", None)
-        return ends(self._window) if ends is not None else None
+    def fused_lengths(self) -> PagedKeys | None:
+        """Keys per row, their host bound and the page table when this layer's attention runs
+        the fused decode (`decode_attention`)."""
+        return self._view.fused_keys(self._window)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # NOTE: as mlx-lm's RotatingKVCache: a window layer's mask has its window even when the
         # model does not name one.
         if self._ring is not None:
-            return self._pool.view.mask(N, return_array, self._window, self._ring)
-        return self._pool.view.mask(N, return_array, window_size or self._window)
+            return self._view.mask(N, return_array, self._window, self._ring)
+        return self._view.mask(N, return_array, window_size or self._window)
 
 
 class StateCache:
-    """What a recurrent layer sees: mlx-lm's `ArraysCache` protocol over the pool's state rows.
+    """What a recurrent layer sees: mlx-lm's `ArraysCache` protocol over the step's state slots.
 
     `cache[i]` is entry i's state for the forward's rows; assigning it writes the rows back.
     """
 
-    def __init__(self, pool: KVPool, index: int) -> None:
-        self._pool, self._index = pool, index
+    def __init__(self, pool: KVPool, index: int, view: View) -> None:
+        self._pool, self._index, self._view = pool, index, view
 
     def __getitem__(self, i: int) -> mx.array:
-        return self._pool.states[self._index][i][self._pool.view.state_rows]
+        return self._pool.states[self._index][i][self._view.state_rows]
 
     def __setitem__(self, i: int, value: mx.array) -> None:
-        self._pool.write_state(self._index, i, value)
+        self._pool.write_state(self._index, i, value, self._view.state_write)
 
     def __bool__(self) -> bool:  # NOTE: models test `if cache:`
         return True
 
     @property
     def lengths(self) -> mx.array | None:
-        return self._pool.view.lengths
+        return self._view.lengths
 
     def advance(self, n: int) -> None:
         """NOTE: nothing to count: each step's view says where every row's tokens are."""
 
     def make_mask(self, N: int) -> mx.array | None:
-        return self._pool.view.ssm_mask(N)
+        return self._view.ssm_mask(N)
 
 
 # NOTE: what the model sees for one entry of its cache list (attention K/V or recurrent state).
@@ -308,268 +314,170 @@ EntryCache = LayerCache | StateCache
 
 
 class KVPool:
-    """Per-layer K/V buffers of `rows` rows of `row_len` tokens, rows in use kept compact."""
+    """Per-layer buffers: `pages` pages of `page_size` tokens, `slots` per-request rings and
+    states, plus one scratch page and one scratch slot."""
 
     def __init__(
         self,
-        shapes: list[LayerShape],
-        rows: int,
-        row_len: int,
-        layout: Layout | None = None,
-        chunk: int | None = None,
+        layout: Layout,
+        pages: int,
+        page_size: int,
+        slots: int,
+        context: int,
+        chunk: int,
+        capacity: int | None = None,
     ) -> None:
-        self.shapes, self.rows, self.row_len = list(shapes), rows, row_len
-        self.layout = layout or Layout.attention_only(self.shapes)
-        # NOTE: a window layer keeps a ring of `window + chunk - 1` entries when that is shorter
-        # than the row: a step's widest chunk (`chunk` tokens) then never overwrites a key one
-        # of its own queries still needs. Without `chunk` every layer keeps the whole row.
-        self.rings = [ring_size(s.window, chunk, row_len) for s in self.shapes]
-        # NOTE: one row more than requests can hold: the scratch row takes a padded forward's
-        # padding writes, so they never touch a row in use.
-        self.scratch = rows
-        n = rows + 1
-        lens = [ring or row_len for ring in self.rings]
+        """`pages` allocated now, up to `capacity` (default: `pages`) by `grow`."""
+        self.layout, self.shapes = layout, list(layout.kv)
+        self.pages, self.page_size, self.slots, self.context = pages, page_size, slots, context
+        self.capacity = max(pages, capacity or pages)
+        self.scratch_page, self.scratch_slot = 0, slots
+        self.rings = [
+            None if s.window is None else ring_size(s.window, chunk, context) for s in self.shapes
+        ]
         self.keys = [
-            mx.zeros((n, s.kv_heads, ln, s.k_dim), s.dtype)
-            for s, ln in zip(shapes, lens, strict=True)
+            self._buffer(s, r, s.k_dim) for s, r in zip(self.shapes, self.rings, strict=True)
         ]
         self.values = [
-            mx.zeros((n, s.kv_heads, ln, s.v_dim), s.dtype)
-            for s, ln in zip(shapes, lens, strict=True)
+            self._buffer(s, r, s.v_dim) for s, r in zip(self.shapes, self.rings, strict=True)
         ]
         self.states = [
-            [mx.zeros((n, *shape), dtype) for shape, dtype in st.arrays]
-            for st in self.layout.states
+            [mx.zeros((slots + 1, *shape), dtype) for shape, dtype in st.arrays]
+            for st in layout.states
         ]
         mx.eval(self.keys, self.values, self.states)
-        self.rows_in_use = 0
-        self.view: _RowView | _RaggedView | None = None
-        # NOTE: one cache object per entry of the model's own cache list, in its order.
-        self.layers = [
-            LayerCache(self, i) if kind == "kv" else StateCache(self, i)
-            for kind, i in self.layout.entries
-        ]
+
+    def _buffer(self, shape: LayerShape, ring: int | None, dim: int) -> mx.array:
+        if ring is None:
+            return mx.zeros((shape.kv_heads, (self.pages + 1) * self.page_size, dim), shape.dtype)
+        return mx.zeros((self.slots + 1, shape.kv_heads, ring, dim), shape.dtype)
 
     @property
     def nbytes(self) -> int:
-        kv = sum(k.nbytes + v.nbytes for k, v in self._pairs())
-        return kv + (self.rows + 1) * self.layout.state_bytes_per_row
+        kv = sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+        return kv + sum(a.nbytes for layer in self.states for a in layer)
 
-    @property
-    def ring_window(self) -> int | None:
-        """The widest window kept in a ring (None: no ring layer): a prefix hit needs its
-        last `ring_window` tokens present in the store for every ring layer."""
-        windows = [s.window for s, r in zip(self.shapes, self.rings, strict=True) if r]
-        return max(windows) if windows else None
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
 
-    # -- allocation --------------------------------------------------------------------------
-    def alloc(self) -> int:
-        if self.rows_in_use >= self.rows:
-            raise RuntimeError("KV pool has no free row")
-        self.rows_in_use += 1
-        row = self.rows_in_use - 1
-        self.reset_states(row)
-        return row
-
-    def pop_row(self) -> None:
-        """Release the last row in use (the scheduler moves a row into a hole first)."""
-        if self.rows_in_use <= 0:
-            raise RuntimeError("KV pool: release of a row not in use")
-        self.rows_in_use -= 1
-
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` tokens of row `src` into row `dst`: one row's copy."""
-        # NOTE: a row with no tokens yet still has a state to move (zeros, from admission).
-        if src == dst:
-            return
-        kv, states = self.read_row(src, max(0, length)), self.read_states(src)
-        # NOTE: materialise the row first so the buffer stays donatable: a pending slice of the
-        # buffer would make the write below copy the whole batch's KV.
-        mx.eval(kv, states)
-        self.write_row(dst, kv)
-        self.write_states(dst, states)
-
-    def read_row(self, row: int, end: int) -> list[tuple[mx.array, mx.array]]:
-        """The row's first `end` tokens per layer; a ring layer's entries as they are (at most
-        its ring), which `write_row` puts back at the same entries."""
-        out = []
-        for k, v in self._pairs():
-            sl = (slice(row, row + 1), slice(None), slice(0, min(end, k.shape[2])))
-            out.append((mx.contiguous(k[sl]), mx.contiguous(v[sl])))
-        return out
-
-    def load_prefix(self, row: int, kv: list[tuple[mx.array, mx.array]]) -> None:
-        """Write a cached prefix (every token of it, per layer) as positions `[0, n)` of a row;
-        a ring layer takes only the positions its ring holds."""
-        for i, (k, v) in enumerate(kv):
-            ring, n = self.rings[i], k.shape[2]
-            if ring is None or n <= ring:
-                self.keys[i][row : row + 1, :, :n] = k
-                self.values[i][row : row + 1, :, :n] = v
-                continue
-            idx = mx.array([p % ring for p in range(n - ring, n)], dtype=mx.int32)
-            self.keys[i][row : row + 1, :, idx] = k[:, :, n - ring :]
-            self.values[i][row : row + 1, :, idx] = v[:, :, n - ring :]
-
-    def positions(self, layer: int, start: int, end: int) -> slice | mx.array:
-        """Where positions `[start, end)` of a row sit in a layer's buffer."""
-        ring = self.rings[layer]
-        if ring is None or end <= ring:
-            return slice(start, end)
-        return mx.array([p % ring for p in range(start, end)], dtype=mx.int32)
-
-    def write_row(self, row: int, kv: list[tuple[mx.array, mx.array]], start: int = 0) -> None:
-        for i, (k, v) in enumerate(kv):
-            end = start + k.shape[2]
-            if end == start:
-                continue
-            self.keys[i][row : row + 1, :, start:end] = k
-            self.values[i][row : row + 1, :, start:end] = v
-
-    def read_states(self, row: int) -> list[list[mx.array]]:
-        """A row's recurrent state (contiguous copies), per state layer and entry."""
-        return [[mx.contiguous(a[row : row + 1]) for a in layer] for layer in self.states]
-
-    def write_states(self, row: int, states: list[list[mx.array]]) -> None:
-        for layer, new in zip(self.states, states, strict=True):
-            for a, v in zip(layer, new, strict=True):
-                a[row : row + 1] = v
-
-    def reset_states(self, row: int) -> None:
-        """A new request's state is zero, what mlx-lm's models start from with an empty cache."""
-        for layer in self.states:
-            for a in layer:
-                a[row : row + 1] = 0
-
-    def write_state(self, layer: int, entry: int, value: mx.array) -> None:
-        buf = self.states[layer][entry]
-        buf[self.view.state_write] = value.astype(buf.dtype)
-        self.states[layer][entry] = buf
-
-    def _pairs(self):
-        return zip(self.keys, self.values, strict=True)
+    def grow(self, pages: int) -> int:
+        """Hold `pages` pages (at most the capacity); only while no step is in flight. Returns
+        how many were added. NOTE: a copy of what is held, once per doubling."""
+        add = min(pages, self.capacity) - self.pages
+        if add <= 0:
+            return 0
+        for i, ring in enumerate(self.rings):
+            if ring is None:
+                for bufs in (self.keys, self.values):
+                    h, _, d = bufs[i].shape
+                    extra = mx.zeros((h, add * self.page_size, d), bufs[i].dtype)
+                    bufs[i] = mx.concatenate([bufs[i], extra], axis=1)
+                    mx.eval(bufs[i])  # NOTE: one layer at a time: the old buffer goes at once
+        self.pages += add
+        return add
 
     # -- forward views -----------------------------------------------------------------------
-    def row_view(self, row: int, start: int) -> list[EntryCache]:
-        """One row, tokens at `start:`, int offset (a single stream's step)."""
-        self.view = _RowView(row, start)
-        return self.layers
+    def row_view(self, slot: int, table: list[int], start: int) -> list[EntryCache]:
+        """One request, tokens at `start:`, int offset (a single stream's step)."""
+        return self._caches(_RowView(self, slot, table, start))
 
     def ragged_view(self, plan: StepRows, kv_len: int, fused: bool = False) -> list[EntryCache]:
         """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row."""
-        self.view = _RaggedView(plan, self.scratch, kv_len, fused)
-        return self.layers
+        return self._caches(_RaggedView(self, plan, kv_len, fused))
 
-    def update(self, layer: int, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        view = self.view
-        ring = self.rings[layer]
-        self.keys[layer] = view.write(self.keys[layer], k, ring)
-        self.values[layer] = view.write(self.values[layer], v, ring)
-        n, window, ring = k.shape[2], self.shapes[layer].window, self.rings[layer]
+    def _caches(self, view: View) -> list[EntryCache]:
+        # NOTE: one cache object per entry of the model's own cache list, in its order.
+        return [
+            LayerCache(self, i, view) if kind == "kv" else StateCache(self, i, view)
+            for kind, i in self.layout.entries
+        ]
+
+    def table_array(self, tables: list[list[int]], width: int) -> mx.array:
+        """`(R, width)` page ids, each table padded with the scratch page."""
+        out = np.full((len(tables), width), self.scratch_page, dtype=np.int32)
+        for i, table in enumerate(tables):
+            n = min(len(table), width)
+            out[i, :n] = table[:n]
+        return mx.array(out)
+
+    def gather(
+        self,
+        tables: list[list[int]],
+        keys: int,
+        buf: mx.array,
+        arr: mx.array | None = None,
+        run: bool = False,
+    ) -> mx.array:
+        """`(R, kv_heads, keys, dim)`: the first `keys` positions of each row, from its pages.
+
+        NOTE: a lone row whose pages are one run (`run`, `contiguous_run`) is a slice, no copy;
+        otherwise one gather of the pages (CPU, 16 rows x 1,024 tokens: 2.6-2.8x the cost of
+        slicing rows).
+        """
+        n, p = self.pages_for(keys), self.page_size
+        if run:
+            s0 = tables[0][0] * p
+            return buf[:, s0 : s0 + keys][None]
+        if arr is None:
+            arr = self.table_array(tables, n)
+        h, _, d = buf.shape
+        pages = buf.reshape(h, self.pages + 1, p, d)[:, arr[:, :n]]
+        return pages.reshape(h, len(tables), n * p, d)[:, :, :keys].transpose(1, 0, 2, 3)
+
+    def update(self, layer: int, view: View, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        ring, n = self.rings[layer], k.shape[2]
+        if ring is None:
+            self.keys[layer] = view.write(self.keys[layer], k)
+            self.values[layer] = view.write(self.values[layer], v)
+            return view.read(self.keys[layer], n), view.read(self.values[layer], n)
+        self.keys[layer] = view.write_ring(self.keys[layer], k, ring)
+        self.values[layer] = view.write_ring(self.values[layer], v, ring)
         return (
-            view.read(self.keys[layer], n, window, ring),
-            view.read(self.values[layer], n, window, ring),
+            view.read_ring(self.keys[layer], n, ring),
+            view.read_ring(self.values[layer], n, ring),
         )
+
+    def write_state(self, layer: int, entry: int, value: mx.array, rows) -> None:
+        buf = self.states[layer][entry]
+        buf[rows] = value.astype(buf.dtype)
+        self.states[layer][entry] = buf
+
+    # -- between steps -------------------------------------------------------------------------
+    def reset_slot(self, slot: int) -> None:
+        """A new request's state is zero, what mlx-lm's models start from with an empty cache.
+
+        NOTE: its ring needs no reset: a ring entry is only read once the row has written it.
+        """
+        for layer in self.states:
+            for a in layer:
+                a[slot : slot + 1] = 0
+
+    def read_slot(self, slot: int) -> list[mx.array]:
+        """A slot's rings and recurrent state (copies), in a fixed order `write_slot` takes."""
+        rows = slice(slot, slot + 1)
+        rings = [b[rows] for b, r in zip(self.keys + self.values, self.rings * 2, strict=True) if r]
+        return [mx.contiguous(a) for a in rings + [a[rows] for st in self.states for a in st]]
+
+    def write_slot(self, slot: int, arrays: list[mx.array]) -> None:
+        bufs = [(self.keys, i) for i, r in enumerate(self.rings) if r is not None]
+        bufs += [(self.values, i) for i, r in enumerate(self.rings) if r is not None]
+        bufs += [(st, j) for st in self.states for j in range(len(st))]
+        for (owner, i), a in zip(bufs, arrays, strict=True):
+            owner[i][slot : slot + 1] = a
+
+    def copy_tokens(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of token slots `src` to slots `dst` in every full layer (a shared
+        prefix's partly filled page, before the new request writes after it)."""
+        if not src:
+            return
+        s, d = mx.array(src, dtype=mx.int32), mx.array(dst, dtype=mx.int32)
+        for i, ring in enumerate(self.rings):
+            if ring is None:
+                self.keys[i][:, d] = self.keys[i][:, s]
+                self.values[i][:, d] = self.values[i][:, s]
+        # NOTE: evaluated now, so no pending read keeps a buffer from being written in place.
+        mx.eval(self.keys, self.values)
 
     def state(self) -> list[mx.array]:
         """Every buffer, for `mx.async_eval` alongside a step's outputs."""
         return [*self.keys, *self.values, *(a for layer in self.states for a in layer)]
-
-
-def ring_size(window: int | None, chunk: int | None, row_len: int) -> int | None:
-    """Entries of a window layer's ring, or None when the layer keeps the whole row."""
-    if window is None or chunk is None:
-        return None
-    ring = window + chunk - 1
-    return ring if ring < row_len else None
-
-
-class _ShapeProbe:
-    """A one-token forward through this records an attention layer's K/V shape and dtype."""
-
-    offset = 0
-
-    def __init__(self, window: int | None = None) -> None:
-        self.window = window
-        self.shape: LayerShape | None = None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        k, v = keys.shape, values.shape
-        self.shape = LayerShape(k[1], k[3], v[3], keys.dtype, self.window)
-        return keys, values
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None
-
-
-class _StateProbe:
-    """A one-token forward through this records a recurrent layer's state shapes (batch 1)."""
-
-    lengths = None
-
-    def __init__(self, size: int) -> None:
-        self.arrays: list[tuple[tuple[int, ...], mx.Dtype] | None] = [None] * size
-
-    def __getitem__(self, i: int) -> None:
-        return None  # NOTE: an empty cache: the model starts from a zero state
-
-    def __setitem__(self, i: int, value: mx.array) -> None:
-        self.arrays[i] = (tuple(value.shape[1:]), value.dtype)
-
-    def __bool__(self) -> bool:
-        return True
-
-    def advance(self, n: int) -> None:
-        pass
-
-    def make_mask(self, N: int) -> None:
-        return None
-
-
-def _probe_for(cache):
-    """The probe for one entry of the model's cache list; None for a kind the pool cannot hold."""
-    kind = type(cache)
-    if kind is mlx_cache.KVCache:
-        return _ShapeProbe()
-    if kind is mlx_cache.RotatingKVCache and cache.keep == 0:
-        return _ShapeProbe(cache.max_size)
-    if kind is mlx_cache.ArraysCache:
-        return _StateProbe(len(cache.cache))
-    return None
-
-
-def probe_model(model) -> tuple[Layout, int]:
-    """The model's cache layout (K/V shapes, windows, state shapes) and its vocabulary size.
-
-    Refuses, with `ModelError`, a model whose cache holds a kind the pool has no rows for.
-    """
-    caches = mlx_cache.make_prompt_cache(model)
-    probes = [_probe_for(c) for c in caches]
-    if any(p is None for p in probes):
-        names = sorted({_kind_name(c) for c, p in zip(caches, probes, strict=True) if p is None})
-        raise ModelError(f"unsupported cache types for the row KV pool: {', '.join(names)}")
-    logits = model(mx.array([[0]]), cache=probes)
-    mx.eval(logits)
-    entries: list[tuple[str, int]] = []
-    kv: list[LayerShape] = []
-    states: list[StateShape] = []
-    for p in probes:
-        if isinstance(p, _ShapeProbe):
-            if p.shape is None:
-                raise ModelError("a layer did not call cache.update_and_fetch")
-            entries.append(("kv", len(kv)))
-            kv.append(p.shape)
-        else:
-            if any(a is None for a in p.arrays):
-                raise ModelError("a recurrent layer did not set its whole state")
-            entries.append(("state", len(states)))
-            states.append(StateShape(tuple(p.arrays)))
-    if not kv:
-        raise ModelError("no attention layer: state-space-only models are not supported")
-    return Layout(tuple(entries), tuple(kv), tuple(states)), logits.shape[-1]
-
-
-def _kind_name(cache) -> str:
-    if isinstance(cache, mlx_cache.RotatingKVCache) and cache.keep:
-        return f"RotatingKVCache(keep={cache.keep})"
-    return type(cache).__name__

@@ -97,7 +97,7 @@ def scheduler_facts(model_dir: Path, scheduler: Scheduler) -> SchedulerFacts:
         vocab_size=int(scheduler.vocab),
         max_context=scheduler.max_context,
         kv_budget_tokens=scheduler.kv_plan.budget.tokens,
-        prefix_cache_tokens=scheduler.kv_plan.store_tokens,
+        prefix_cache_tokens=0 if scheduler.prefix is None else scheduler.kv_plan.tokens,
         tokenizer_defaults=tokenizer_defaults(model_dir),
     )
 

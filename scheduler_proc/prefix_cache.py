@@ -1,25 +1,26 @@
-"""The prefix cache: a radix tree of token prefixes over a KV prefix store, and when to use it.
+"""The prefix cache: a radix tree of token prefixes over the KV pages themselves, no copy.
 
-The scheduler holds one `PrefixCache` while the cache is on (None when it is off:
-`--disable-radix-cache`, a model with recurrent state layers, or no store in the budget) and calls
-it at four points of a request's life, all while no step is in flight:
-- admission: `admit` finds and locks the longest cached prefix (the last prompt token is always
-  computed, for its logits) and copies it into the request's row, so only the rest is prefilled;
+Tree nodes hold token slots of the pool (`page * page_size + offset`) and a reference on each
+slot's page, so a cached token's KV stays where its request computed it. The KV manager calls
+it while no step is in flight:
+- admission: `acquire` finds and locks the longest cached prefix (the last prompt token is always
+  computed, for its logits); `layout` says which of its pages the new request shares whole and
+  which tokens it copies (the partly filled last page, and a page whose tokens two requests
+  wrote, where a hit once ended);
 - before admission: `should_wait` holds back a request sharing a long uncached prefix with a
   prompt being prefilled (`SHARED_PREFIX_MIN`), so it hits that prompt instead of recomputing it;
-- prompt body done: `publish` caches it at once, so requests arriving while it runs (or waiting
-  for it) reuse it; the request's lock moves to its end;
-- finish, abort or error: `retire` copies the part of the row not cached yet into the store
-  (evicting least recently used unlocked spans to make room, caching less when it cannot; nothing
-  after an error), inserts it and drops the request's lock.
-Under them are the token-level steps (`acquire`, `load`, `extend`, `release`) that
-tests/test_radix_cache.py drives directly.
+- prompt body done: `publish` caches it at once, so requests arriving while it runs reuse it;
+- finish, abort or error: `retire` caches what the request computed (nothing after an error)
+  and drops its lock;
+- out of pages: `evict` drops least recently used unlocked spans until pages come free.
 """
 
 from __future__ import annotations
 
-from scheduler_proc.kv_cache import KVPool
-from scheduler_proc.prefix_store import PrefixStore
+from collections import Counter
+from collections.abc import Callable
+
+from scheduler_proc.pages import PageAllocator
 from scheduler_proc.radix_cache import Hit, RadixCache
 from scheduler_proc.request import Req
 
@@ -31,123 +32,112 @@ SHARED_PREFIX_MIN = 16
 
 
 class PrefixCache:
-    def __init__(self, store: PrefixStore, pool: KVPool, window: int | None = None) -> None:
-        self.store, self.pool = store, pool
-        # NOTE: with ring (sliding-window) layers a hit must end where the store holds its last
-        # `window` tokens for those layers too (`_whole_window`).
-        self.window = window
+    def __init__(self, pages: PageAllocator) -> None:
+        self.pages = pages
+        self.page_size = pages.page_size
         self.tree = RadixCache()
         self.lookups = 0
         self.lookup_tokens = 0
         self.hit_tokens = 0
 
     # -- a request's life --------------------------------------------------------------------
-    def admit(self, req: Req) -> None:
-        """Start the row with the longest cached prefix; the last prompt token is always computed."""
-        assert req.row is not None, f"{req.rid}: admitted without a row"
-        req.hit = self.acquire(req.input_ids, req.prompt_len - 1)
-        self.load(req.hit, req.row)
-        req.prefilled = req.kv_len = req.cached_tokens = req.hit.length
-
-    def should_wait(self, req: Req, prefilling: list[Req]) -> bool:
-        """Whether `req` had better wait until a prompt being prefilled is cached."""
-        if not prefilling:
-            return False
-        cached = self.cached_length(req.input_ids)
-        need = max(SHARED_PREFIX_MIN, (req.prompt_len - cached) // 2)
-        pending = [r.input_ids for r in prefilling]
-        return shares_pending_prefix(req.input_ids, cached, pending, need)
-
-    def publish(self, req: Req) -> None:
-        """Prompt body in the KV: cache it now, so others reuse it while this one runs.
-
-        NOTE: the body is every prompt token but the last (which runs in a decode step); a hit is
-        capped there anyway, so waiting requests sharing the prompt need nothing more.
-        """
-        if req.hit is not None and req.row is not None:
-            assert req.kv_len >= req.prompt_len - 1, f"{req.rid}: prompt body not in the KV yet"
-            self.extend(req.hit, req.input_ids[: req.prompt_len - 1], req.row)
-
-    def retire(self, req: Req) -> None:
-        """Before the row goes: cache what it computed (not after an error), drop the lock."""
-        hit, req.hit = req.hit, None
-        if hit is None:
-            return
-        tokens = (req.input_ids + req.output_ids)[: req.kv_len]
-        self.release(hit, tokens, None if req.finish_reason == "error" else req.row)
-
-    # -- token-level steps -------------------------------------------------------------------
-    def acquire(self, tokens: list[int], limit: int) -> Hit:
-        """Find and lock the longest cached prefix of at most `limit` tokens; counts a lookup."""
+    def acquire(
+        self, tokens: list[int], limit: int, boundary: Callable[[int], int] | None = None
+    ) -> Hit:
+        """Find and lock the longest cached prefix of at most `limit` tokens, cut back to
+        `boundary(length)` when given (where a slot snapshot exists); counts a lookup."""
         m = self.tree.match_prefix(tokens[: max(0, limit)])
         self.tree.lock(m.node)
-        n = self._whole_window(m.slots)
+        n = m.length if boundary is None else boundary(m.length)
         self.lookups += 1
         self.lookup_tokens += len(tokens)
         self.hit_tokens += n
         return Hit(n, m.slots[:n], m.node)
 
-    def _whole_window(self, slots: list[int]) -> int:
-        """The longest hit `n <= len(slots)` whose last `window` tokens are all stored for the
-        ring layers (every token, when the hit is shorter than the window)."""
-        n = len(slots)
-        if self.window is None:
-            return n
-        ok = self.store.window_ok
-        while n > 0:
-            bad = [i for i in range(max(0, n - self.window), n) if not ok[slots[i]]]
-            if not bad:
-                break
-            n = bad[-1]
-        return n
+    def layout(self, hit: Hit) -> list[int | list[int]]:
+        """Per page of the hit, in order: a page id to share whole, or the token slots to copy
+        into a page of the request's own."""
+        p, slots = self.page_size, hit.slots
+        out: list[int | list[int]] = []
+        for k in range(-(-hit.length // p)):
+            block = slots[k * p : (k + 1) * p]
+            whole = len(block) == p and block[0] % p == 0
+            if whole and block == list(range(block[0], block[0] + p)):
+                out.append(block[0] // p)
+            else:
+                out.append(block)
+        return out
 
-    def load(self, hit: Hit, row: int) -> None:
-        self.store.load(self.pool, row, hit.slots)
+    def unhit(self, hit: Hit) -> None:
+        """An acquired hit the request did not take (it was not admitted)."""
+        self.lookups -= 1
+        self.hit_tokens -= hit.length
+        self.tree.unlock(hit.node)
+        hit.released = True
 
-    def cached_length(self, tokens: list[int]) -> int:
-        """Longest cached prefix, without locking or counting a lookup."""
-        return self.tree.match_prefix(tokens).length
+    def should_wait(self, req: Req, prefilling: list[Req]) -> bool:
+        """Whether `req` had better wait until a prompt being prefilled is cached."""
+        if not prefilling:
+            return False
+        cached = self.tree.match_prefix(req.fill_ids).length
+        need = max(SHARED_PREFIX_MIN, (req.fill_len - cached) // 2)
+        pending = [r.fill_ids for r in prefilling]
+        return shares_pending_prefix(req.fill_ids, cached, pending, need)
 
-    def extend(self, hit: Hit, tokens: list[int], row: int) -> int:
-        """Cache `tokens` (computed in the row) while the request keeps running; moves its lock."""
-        saved = self._save(tokens, row)
+    def publish(self, req: Req, slots: list[int]) -> None:
+        """Prompt body in the KV (`slots`: its tokens' slots): cache it now, move the lock.
+
+        NOTE: the body is every fill token but the last (which runs in a decode step); a hit is
+        capped there anyway, so waiting requests sharing the prompt need nothing more.
+        """
+        hit = req.hit
+        if hit is None:
+            return
+        tokens = req.fill_ids[: req.fill_len - 1]
+        self.insert(tokens, slots[: len(tokens)])
         m = self.tree.match_prefix(tokens)
         self.tree.lock(m.node)
         self.tree.unlock(hit.node)
         hit.length, hit.slots, hit.node = m.length, m.slots, m.node
-        return saved
 
-    def release(self, hit: Hit, tokens: list[int], row: int | None) -> int:
-        """Cache `tokens` (whose KV fills the row's first positions), then unlock; exactly once.
-
-        Returns how many new tokens were stored. Without a row (nothing computed, or nothing to
-        trust), only unlocks.
-        """
+    def retire(self, req: Req, slots: list[int] | None) -> None:
+        """Before its pages go: cache its tokens (`slots`: where their KV is; None after an
+        error, when nothing it computed is trusted) and drop its lock, exactly once."""
+        hit, req.hit = req.hit, None
+        if hit is None:
+            return
         if hit.released:
             raise RuntimeError("prefix cache: request released twice")
         hit.released = True
-        saved = 0 if row is None else self._save(tokens, row)
+        if slots is not None:
+            tokens = (req.input_ids + req.output_ids)[: req.kv_len]
+            self.insert(tokens, slots[: len(tokens)])
         self.tree.unlock(hit.node)
-        return saved
 
-    def _save(self, tokens: list[int], row: int) -> int:
-        m = self.tree.match_prefix(tokens)
-        self.tree.lock(m.node)  # NOTE: making room must not evict the prefix we extend
-        n = self._make_room(len(tokens) - m.length)
-        self.tree.unlock(m.node)
-        if n <= 0:
-            return 0
-        slots = self.store.slots.alloc(n)
-        self.store.save(self.pool, row, m.length, slots, len(tokens))
-        self.tree.insert(tokens[: m.length + n], m.slots + slots)
-        return n
+    # -- pages ---------------------------------------------------------------------------------
+    def insert(self, tokens: list[int], slots: list[int]) -> int:
+        """Cache `tokens` at `slots`; the tree takes a reference on the pages of the tokens it
+        did not hold yet. Returns how many it holds now that it did not before."""
+        present = self.tree.insert(tokens, slots)
+        self._ref(slots[present:], +1)
+        return len(tokens) - present
 
-    def _make_room(self, n: int) -> int:
-        """Evict until `n` slots are free or nothing more can go; returns what can be stored."""
-        short = n - self.store.slots.available
-        if short > 0:
-            self.store.slots.free(self.tree.evict(short))
-        return min(n, self.store.slots.available)
+    def evict(self, pages_wanted: int) -> None:
+        """Drop least recently used unlocked spans until `pages_wanted` pages are free or
+        nothing more can go (a span whose pages a running request holds frees no page)."""
+        while self.pages.available < pages_wanted:
+            short = (pages_wanted - self.pages.available) * self.page_size
+            freed = self.tree.evict(short)
+            if not freed:
+                return
+            self._ref(freed, -1)
+
+    def _ref(self, slots: list[int], sign: int) -> None:
+        for page, n in Counter(s // self.page_size for s in slots).items():
+            if sign > 0:
+                self.pages.incref(page, n, cached=True)
+            else:
+                self.pages.decref(page, n, cached=True)
 
     def stats(self) -> dict[str, int | float]:
         rate = self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
@@ -158,7 +148,6 @@ class PrefixCache:
             "prefix_cache_tokens": self.tree.total_tokens,
             "prefix_cache_locked_tokens": self.tree.locked_tokens,
             "prefix_cache_evicted_tokens": self.tree.evicted_tokens,
-            "prefix_cache_capacity": self.store.size,
         }
 
 

@@ -93,13 +93,15 @@ def check_same_options(group: Any, config: EngineConfig) -> None:
 
 
 def agree_kv_plan(group: Any, plan: Any) -> Any:
-    """The plan every rank can hold: the minimum of each rank's rows, row length and store."""
+    """The plan every rank can hold: the minimum of each rank's pages, slots and context."""
     from engine.distributed import agree_min
 
-    rows, row_len, store = agree_min(group, [plan.rows, plan.row_len, plan.store_tokens])
-    agreed = dataclasses.replace(plan, rows=rows, row_len=row_len, store_tokens=store)
+    pages, slots, context = agree_min(group, [plan.pages, plan.slots, plan.context])
+    agreed = dataclasses.replace(plan, pages=pages, slots=slots, context=context)
     if agreed != plan:
-        log.info("KV plan agreed across ranks: %d rows x %d tokens, store %d", rows, row_len, store)
+        log.info(
+            "KV plan agreed across ranks: %d pages, %d slots, context %d", pages, slots, context
+        )
     return agreed
 
 

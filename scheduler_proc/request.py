@@ -23,24 +23,46 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     seed: int
-    max_new: int  # max_tokens, capped by the KV row length
+    max_new: int  # max_tokens, capped by the context
     stop_ids: frozenset[int]
     state: State = State.WAITING
-    row: int | None = None  # KV row while it holds one
-    prefilled: int = 0  # prompt tokens launched into the KV
+    slot: int | None = None  # its rings / state slot while it runs
+    pages: list[int] = field(default_factory=list)  # page table: its KV, in position order
+    fill: list[int] = field(default_factory=list)  # tokens to prefill (see `fill_ids`)
+    prefilled: int = 0  # fill tokens launched into the KV
     kv_len: int = 0  # tokens launched into the KV (prompt + decode inputs)
+    preemptions: int = 0
+    snap_at: int | None = None  # a position to snapshot its slot at (a shared prefix's end)
+    admitted: int = 0  # admission order while it runs (the newest is preempted first)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     new_ids: list[int] = field(default_factory=list)  # not yet reported
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     reported_finish: bool = False
-    hit: Hit | None = None  # its locked cached prefix, while it holds a row
+    hit: Hit | None = None  # its locked cached prefix, while it runs
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """What prefill computes: the prompt, or after a preemption the prompt and every token
+        generated so far (the last of them runs in a decode step, which samples the next)."""
+        return self.fill or self.input_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.fill_ids)
+
+    def preempt(self) -> None:
+        """Its KV is gone: it waits to recompute prompt + output, its stream kept as it is."""
+        self.fill = self.input_ids + self.output_ids
+        self.state, self.slot, self.pages = State.WAITING, None, []
+        self.prefilled = self.kv_len = 0
+        self.preemptions += 1
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
-"""Builds a step's one lazy forward on the row KV pool and queues it with `mx.async_eval`.
+"""Builds a step's one lazy forward on the paged KV pool and queues it with `mx.async_eval`.
 
 Every forward has a bucketed shape (`scheduler_proc.shapes`): rows, query width and keys read are
-rounded up, and padding rows and positions write only to the pool's scratch row.
+rounded up, and padding rows and positions write only to the pool's scratch page and slot. Row i
+of a decode forward is the batch's i-th request (`Batch.rows`), whatever its slot and pages.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Runner:
             log.info("recurrent state layers: prefill steps run %s", how)
         self.shapes_seen: set[tuple[int, ...]] = set()
         self.shapes_warmed = 0  # of those, run by the warm-up
+        self.warmed = False  # set after warm-up: later first-seen shapes are logged
         self._windows = any(s.window is not None for s in pool.shapes)
         # NOTE: "on" off CUDA runs the kernel's masked twin: the same plumbing, for tests.
         want = fused == "on" or (fused == "auto" and decode_attention.available())
@@ -51,7 +53,11 @@ class Runner:
 
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run
-        the kernel? A model whose attention bypasses mlx-lm's function keeps the masked path."""
+        the kernel? A model whose attention bypasses mlx-lm's function keeps the masked path,
+        and so does a kernel whose results differ from MLX's attention (`self_check`)."""
+        if not decode_attention.self_check():
+            log.warning("decode attention: masked (the fused kernel failed its self-check)")
+            return False
         if not decode_attention.install(self.model):
             log.info("decode attention: masked (the model's attention is not mlx-lm's)")
             return False
@@ -76,26 +82,24 @@ class Runner:
     def launch(self, batch: Batch, decode_inputs: mx.array | None) -> None:
         """Build the batch's one forward and queue it; nothing here blocks."""
         if batch.is_prefill:
-            self._prefill(batch.chunks)
+            self._prefill(batch, batch.chunks)
         else:
+            assert decode_inputs is not None, "a decode step has input tokens"
             batch.decode_out = self._decode(batch, decode_inputs)
         mx.async_eval(*_outputs(batch), *self.pool.state())
 
     def decode_rows(self, batch: Batch) -> int:
-        """Forward rows of a decode step: up to the last active row, then bucketed."""
-        return self.ladders.pad_rows(max(r.row for r in batch.rows) + 1)
+        """Forward rows of a decode step: its requests, bucketed."""
+        return self.ladders.pad_rows(len(batch.rows))
 
     def decode_inputs(self, batch: Batch) -> mx.array:
-        """Each row's input token: its last output, or a joined prompt's last token; pads 0."""
-        tokens = [0] * self.decode_rows(batch)
-        for r in batch.decode:
-            tokens[r.row] = r.output_ids[-1]
-        for r in batch.joined:
-            tokens[r.row] = r.input_ids[-1]
+        """Each row's input token: its last output, or a joined request's last fill token."""
+        tokens = [r.output_ids[-1] for r in batch.decode] + [r.fill_ids[-1] for r in batch.joined]
+        tokens += [0] * (self.decode_rows(batch) - len(tokens))
         return mx.array(tokens, dtype=mx.int32)
 
     # -- prefill -------------------------------------------------------------------------------
-    def _prefill(self, chunks: list[PromptSlice]) -> None:
+    def _prefill(self, batch: Batch, chunks: list[PromptSlice]) -> None:
         """Prompt chunks of several rows in one padded forward; only the KV writes are used.
 
         NOTE: the logits are never evaluated, so the LM head (and the last layer's MLP) never
@@ -106,57 +110,69 @@ class Runner:
         n = self.ladders.pad_rows(len(chunks))
         pad = n - len(chunks)
         plan = StepRows(
-            rows=[c.req.row for c in chunks] + [self.pool.scratch] * pad,
+            slots=[_slot(c.req) for c in chunks] + [self.pool.scratch_slot] * pad,
+            tables=[c.req.pages for c in chunks] + [[]] * pad,
             starts=[c.start for c in chunks] + [0] * pad,
             lengths=[c.end - c.start for c in chunks] + [0] * pad,
             width=width,
         )
         kv_len = self.ladders.pad_kv(max(c.end for c in chunks))
-        tokens = [c.req.input_ids[c.start : c.end] for c in chunks]
+        tokens = [c.req.fill_ids[c.start : c.end] for c in chunks]
         grid = [t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * pad
         for c in chunks:
             c.req.kv_len = c.end
-        self._forward(mx.array(grid, dtype=mx.int32), self.pool.ragged_view(plan, kv_len))
+        view = self.pool.ragged_view(plan, kv_len)
+        self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
 
     # -- decode --------------------------------------------------------------------------------
     def _decode(self, batch: Batch, inputs: mx.array) -> Sampled:
         n = inputs.shape[0]
         if batch.sampler is None:
             batch.sampler = self._sampler(batch, n)
-        starts = [0] * n
-        for r in batch.rows:
-            starts[r.row] = r.kv_len
+        rows = batch.rows
+        starts = [r.kv_len for r in rows]
+        for r in rows:
             r.kv_len += 1
-        logits = self._forward(inputs[:, None], self._decode_cache(batch, starts))
+        cache, kv_len = self._decode_cache(rows, starts, n)
+        logits = self._forward(inputs[:, None], cache, kv_len, batch)
         return sample(logits[:, -1, :], batch.sampler)
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:
-        rows = [_PAD_ROW] * n
-        for r in batch.rows:
-            rows[r.row] = row_params(r)
-        return build_state(rows, self.vocab)
+        rows = [row_params(r) for r in batch.rows]
+        return build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab)
 
-    def _decode_cache(self, batch: Batch, starts: list[int]) -> list[EntryCache]:
-        # NOTE: a lone row 0 takes mlx-lm's own single-stream path (int offset, slice write, no
+    def _decode_cache(
+        self, rows: list[Req], starts: list[int], n: int
+    ) -> tuple[list[EntryCache], int]:
+        # NOTE: a lone row takes mlx-lm's own single-stream path (int offset, slice write, no
         # mask): cheaper than the padded batch's scatter and mask.
-        if len(starts) == 1:
-            return self.pool.row_view(0, starts[0])
-        lengths = [0] * len(starts)
-        for r in batch.rows:
-            lengths[r.row] = 1
-        plan = StepRows(list(range(len(starts))), starts, lengths, width=1)
+        if n == 1:
+            r = rows[0]
+            return self.pool.row_view(_slot(r), r.pages, starts[0]), -1
+        pad = n - len(rows)
+        plan = StepRows(
+            slots=[_slot(r) for r in rows] + [self.pool.scratch_slot] * pad,
+            tables=[r.pages for r in rows] + [[]] * pad,
+            starts=starts + [0] * pad,
+            lengths=[1] * len(rows) + [0] * pad,
+            width=1,
+        )
         kv_len = self.ladders.pad_decode_kv(max(starts) + 1)
-        return self.pool.ragged_view(plan, kv_len, fused=self.fused_decode)
+        return self.pool.ragged_view(plan, kv_len, fused=self.fused_decode), kv_len
 
-    def _forward(self, tokens: mx.array, cache: list[EntryCache]) -> mx.array:
-        view = self.pool.view
+    def _forward(
+        self, tokens: mx.array, cache: list[EntryCache], kv_len: int, batch: Batch | None = None
+    ) -> mx.array:
         # NOTE: a fused decode over full-attention layers only has no key-length dimension.
-        keys = -1 if self._keyless(view) else getattr(view, "length", -1)
-        self.shapes_seen.add((*tokens.shape, keys))
+        fused = tokens.shape[1] == 1 and self.fused_decode and kv_len > 0
+        keys = -1 if fused and not self._windows else kv_len
+        shape = (*tokens.shape, keys)
+        if shape not in self.shapes_seen:
+            self.shapes_seen.add(shape)
+            # NOTE: exact shapes (CPU) are new all the time and cost nothing to build.
+            if self.warmed and batch is not None and not self.ladders.exact:
+                batch.new_shape = shape
         return self.model(tokens, cache=cache)
-
-    def _keyless(self, view) -> bool:
-        return getattr(view, "fused", False) and not self._windows
 
     # -- warm-up -------------------------------------------------------------------------------
     def warm_up(
@@ -175,11 +191,12 @@ class Runner:
                 break
             decode = tokens.shape[1] == 1
             view = self.pool.ragged_view(plan, kv_len, fused=decode and self.fused_decode)
-            logits = self._forward(tokens, view)
+            logits = self._forward(tokens, view, kv_len)
             state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
             mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
             done += 1
         self.shapes_warmed = len(self.shapes_seen)
+        self.warmed = True
         return done, time.monotonic() - t0
 
     def _warm_shapes(self, budget_tokens: int, minimal: bool):
@@ -190,9 +207,13 @@ class Runner:
             return
         # NOTE: a fused decode's keys are no dimension of its shape (`_keyless`): one per rows.
         keys = lad.kv[:1] if self.fused_decode and not self._windows else lad.kv
+        held = self.pool.capacity * self.pool.page_size
         for n in lad.rows[1:]:  # NOTE: one row decodes on mlx-lm's own path, no shape to warm
             for kv_len in keys:
-                yield self._warm_decode(n, kv_len)
+                # NOTE: a batch reading more keys than the pages hold is rare (one long row
+                # beside many short ones); it compiles when first seen, and is logged.
+                if kv_len == keys[0] or n * kv_len <= held:
+                    yield self._warm_decode(n, kv_len)
         for width in lad.widths:
             for n in lad.rows:
                 if n > 1 and n * width > budget_tokens:
@@ -200,14 +221,22 @@ class Runner:
                 yield self._warm_prefill(n, width)
 
     def _warm_decode(self, n: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
-        # NOTE: rows [0, n) as a decode step reads them; no real token, so every write goes to
-        # the scratch row and no row in use changes.
-        plan = StepRows(list(range(n)), [0] * n, [0] * n, width=1)
-        return mx.zeros((n, 1), mx.int32), plan, kv_len
+        # NOTE: no real token, so every write goes to the scratch page and slot, and every read
+        # gathers the scratch page: nothing in use changes.
+        return mx.zeros((n, 1), mx.int32), self._pad_plan(n, 1), kv_len
 
     def _warm_prefill(self, n: int, width: int) -> tuple[mx.array, StepRows, int]:
-        plan = StepRows([self.pool.scratch] * n, [0] * n, [0] * n, width=width)
+        plan = self._pad_plan(n, width)
         return mx.zeros((n, width), mx.int32), plan, self.ladders.pad_kv(width)
+
+    def _pad_plan(self, n: int, width: int) -> StepRows:
+        slot = self.pool.scratch_slot
+        return StepRows([slot] * n, [[]] * n, [0] * n, [0] * n, width=width)
+
+
+def _slot(req: Req) -> int:
+    assert req.slot is not None, f"{req.rid}: launched without a slot"
+    return req.slot
 
 
 def _outputs(batch: Batch) -> list[mx.array]:

@@ -26,14 +26,15 @@ from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_budget import KVPlan, plan_kv
-from scheduler_proc.kv_cache import KVPool, bytes_per_token, probe_model
-from scheduler_proc.prefix_cache import PrefixCache
-from scheduler_proc.prefix_store import PrefixStore
+from scheduler_proc.kv_cache import KVPool
+from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
+from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req, State
-from scheduler_proc.rows import RowTable
 from scheduler_proc.runner import Runner
+from scheduler_proc.running import RunningTable
 from scheduler_proc.sampling import Sampled, advance
 from scheduler_proc.shapes import Ladders
+from scheduler_proc.step_times import StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ COUNTERS = (
     "steps_decode",  # steps whose one forward decoded rows (and prompts' last tokens)
     "requests_finished",
     "requests_aborted",
+    "requests_preempted",  # gave their pages back mid-decode; recomputed when pages free up
 )
 
 
@@ -71,32 +73,33 @@ class Scheduler:
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
         self.kv_plan = plan_kv(
             config,
-            bytes_per_token(layout.kv),
+            bytes_per_token([s for s in layout.kv if s.window is None]) or 1,
             max_pos,
             weights_bytes(model),
-            row_state_bytes=layout.state_bytes_per_row,
-            prefix_cache_ok=not layout.states,
-            windows=[(bytes_per_token([s]), s.window) for s in layout.kv if s.window],
-            chunk=self.chunk,
+            slot_bytes=_slot_bytes(layout, self.chunk, config.context_length or max_pos)
+            # NOTE: with the prefix cache, one snapshot per slot is budgeted beside it.
+            * (1 if config.disable_radix_cache else 2),
+            # NOTE: a CUDA device's memory is the engine's; elsewhere the KV shares it.
+            grow=not mx.cuda.is_available(),
         )
         if kv_agree is not None:
             self.kv_plan = kv_agree(self.kv_plan)
         log.info(self.kv_plan.describe())
-        if layout.states and not config.disable_radix_cache:
-            # NOTE: a recurrent state is only exact at the position it was taken; without
-            # snapshots a cached prefix cannot restore it (docs/models.md).
-            log.info("prefix cache off: the model has recurrent state layers")
-        shapes = list(layout.kv)
         plan = self.kv_plan
-        self.pool = KVPool(shapes, plan.rows, plan.row_len, layout, chunk=self.chunk)
-        store = self.kv_plan.store_tokens
-        # NOTE: None when the cache is off (flag, recurrent state layers, no store in the budget).
-        self.prefix: PrefixCache | None = None
-        if store > 0:
-            store_kv = PrefixStore(shapes, store)
-            self.prefix = PrefixCache(store_kv, self.pool, window=self.pool.ring_window)
-        self.rows = RowTable(self.pool)
-        self.ladders = Ladders.for_pool(self.pool.rows, self.pool.row_len, self.chunk, exact=on_cpu)
+        self.pool = KVPool(
+            layout,
+            plan.start_pages,
+            plan.page_size,
+            plan.slots,
+            plan.context,
+            self.chunk,
+            capacity=plan.pages,
+        )
+        prefix = not config.disable_radix_cache
+        self.kv = KVManager(self.pool, prefix, snapshots=plan.slots)
+        self.prefix = self.kv.prefix  # NOTE: None when the cache is off
+        self.running = RunningTable(plan.slots)
+        self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk, exact=on_cpu)
         self.runner = Runner(model, self.pool, self.vocab, self.ladders, config.fused_decode)
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
@@ -110,11 +113,14 @@ class Scheduler:
         self._to_free: dict[str, Req] = {}
         self._to_promote: list[Req] = []
         self._to_publish: list[Req] = []  # prompt bodies written by the last prefill step
+        self._to_snapshot: list[Req] = []  # requests at their `snap_at` after the last step
         self._current: Batch | None = None
         self._next: Batch | None = None
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefill_last = False  # the last fresh step was a prefill step
+        self._admissions = 0
+        self.step_times = StepTimes()
         # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
         # different shapes would run different collectives; their start-up watchdog bounds it.
         self.warm_up_s = self._warm_up(WARM_UP_DEADLINE_S if kv_agree is None else math.inf)
@@ -136,7 +142,7 @@ class Scheduler:
             raise Overloaded(f"{len(self._waiting)} requests already waiting")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        max_new = min(params.max_tokens, self.pool.row_len - len(input_ids))
+        max_new = min(params.max_tokens, self.max_context - len(input_ids))
         req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop))
         self._reqs[rid] = req
         self._waiting.append(req)
@@ -158,7 +164,7 @@ class Scheduler:
         return self._emit()
 
     def has_work(self) -> bool:
-        busy = self._current or self._next or self.rows.reqs
+        busy = self._current or self._next or self.running.reqs
         return bool(busy or self._waiting or self._touched)
 
     def in_flight(self) -> dict[str, int]:
@@ -167,29 +173,32 @@ class Scheduler:
 
     @property
     def max_context(self) -> int:
-        """Most tokens (prompt + generated) of one request: a KV row."""
-        return self.pool.row_len
+        """Most tokens (prompt + generated) of one request."""
+        return self.kv_plan.context
 
     def stats(self) -> dict[str, int | float]:
-        used = self.rows.tokens_in_use()
-        total = self.pool.rows * self.pool.row_len
+        running = self.running.reqs
+        used = self.running.tokens_in_use()
+        held = len({p for r in running for p in r.pages}) * self.pool.page_size
         return {
             **self._counters,
-            "running": len(self.rows.reqs),
-            "decoding": self.rows.n_decode,
+            "running": len(running),
+            "decoding": self.running.n_decode,
             "waiting": len(self._waiting),
-            "kv_rows_in_use": self.pool.rows_in_use,
-            "kv_rows_total": self.pool.rows,
-            "kv_row_len": self.pool.row_len,
+            "kv_slots_in_use": len(running),
+            "kv_slots_total": self.running.slots,
+            "kv_context": self.max_context,
             "kv_tokens_in_use": used,
-            "kv_tokens_free": total - used,
+            "kv_tokens_free": self.kv_plan.tokens - used,
+            "kv_request_tokens_allocated": held,
             "kv_bytes": self.pool.nbytes,
+            **self.kv.stats(),
             "shapes_seen": len(self.runner.shapes_seen),
             "shapes_warmed": self.runner.shapes_warmed,
             "warm_up_s": round(self.warm_up_s, 3),
             "chunked_prefill_size": self.chunk,
             "max_prefill_tokens": self.prefill_budget,
-            **(self.prefix.stats() if self.prefix is not None else {}),
+            **self.step_times.stats(),
         }
 
     def shutdown(self) -> None:
@@ -258,16 +267,25 @@ class Scheduler:
             self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
-        if not cur.pure_decode or self.rows.prefilling() or self._admissible():
+        if not cur.pure_decode or self.running.prefilling() or self._admissible():
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
-        return not any(r.finished or r.kv_len - r.prompt_len + 1 >= r.max_new for r in cur.decode)
+        if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.decode):
+            return False
+        # NOTE: the chained step writes each row's next position: a free page where that starts
+        # one (no eviction or preemption while a step is in flight).
+        return all(self.kv.grow(r, evict=False) for r in cur.decode)
 
     def _must_break(self, nxt: Batch) -> bool:
         return any(r.finished for r in nxt.decode) or self._admissible()
 
     def _admissible(self) -> bool:
-        return bool(self._waiting) and self.rows.free_rows > 0
+        """Whether the first waiting request could be admitted now (a slot, and pages by a
+        cheap estimate: free pages and what the prefix cache could give up)."""
+        if not self._waiting or self.running.free_slots == 0:
+            return False
+        req = self._waiting[0]
+        return self.kv.could_free(self.pool.pages_for(req.fill_len) + self.running.n_decode)
 
     # -- launches ----------------------------------------------------------------------------
     def prepare_launch(self, batch: Batch) -> None:
@@ -303,33 +321,67 @@ class Scheduler:
         whenever there is a row to decode.
         """
         self._admit()
-        rows = self.rows.decoding()
-        joined = [r for r in self.rows.prefilling() if _due(r)]
-        if not (self._prefill_last and (rows or joined)):
+        decoding = self.running.decoding()
+        due = [r for r in self.running.prefilling() if _due(r)]
+        if not (self._prefill_last and (decoding or due)):
             chunks = self._plan_chunks()
             if chunks:
                 self._prefill_last = True
                 return Batch(chunks=chunks)
         self._prefill_last = False
+        self._make_room()
+        rows = self.running.decoding()
+        joined = [r for r in self.running.prefilling() if _due(r)]
         if not rows and not joined:
             return None
-        return Batch(decode=list(rows), joined=joined)
+        return Batch(decode=rows, joined=joined)
 
     def _admit(self) -> None:
-        """Waiting requests take free rows (with their cached prefix) in arrival order."""
+        """Waiting requests take a slot and their pages (a cached prefix shared) in arrival
+        order, while pages remain beside one per decoding request for their growth."""
         deferred: list[Req] = []
         try:
-            while self._admissible():
+            while self._waiting and self.running.free_slots > 0:
                 req = self._waiting.popleft()
-                if self.prefix is not None and self.prefix.should_wait(req, self.rows.prefilling()):
+                if self.prefix is not None and self.prefix.should_wait(
+                    req, self.running.prefilling()
+                ):
                     deferred.append(req)
                     continue
+                if not self._take_pages(req):
+                    break
                 req.state = State.PREFILLING
-                self.rows.add(req)
-                if self.prefix is not None:
-                    self.prefix.admit(req)
+                self._admissions += 1
+                req.admitted = self._admissions
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
             self._waiting.extendleft(reversed(deferred))
+
+    def _take_pages(self, req: Req) -> bool:
+        """A slot and pages for `req`; refused (or failed), it waits at the front, holding none."""
+        self.running.add(req)
+        admitted = False
+        try:
+            admitted = self.kv.admit(req, reserve=self.running.n_decode)
+        finally:
+            if not admitted:
+                self.running.release(req)
+                self._waiting.appendleft(req)
+        return admitted
+
+    def _make_room(self) -> None:
+        """Every decoding request gets the page its next token needs; when none is left, the
+        newest running request gives its pages back and waits to be recomputed."""
+        for req in self.running.decoding():
+            while req.slot is not None and not self.kv.grow(req):
+                self._preempt(self.running.newest())
+
+    def _preempt(self, req: Req) -> None:
+        log.info("%s preempted: out of KV pages (%d tokens recomputed later)", req.rid, req.kv_len)
+        self.kv.release(req)
+        self.running.release(req)
+        req.preempt()
+        self._waiting.appendleft(req)
+        self._counters["requests_preempted"] += 1
 
     def _plan_chunks(self) -> list[PromptSlice]:
         """Prompt chunks for one padded prefill forward: the width that runs the most tokens.
@@ -338,7 +390,7 @@ class Scheduler:
         ones gets a chunk of the width that suits them all, and rows x width stays within
         --max-prefill-tokens.
         """
-        todo = [r for r in self.rows.prefilling() if _body_left(r) > 0]
+        todo = [r for r in self.running.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
         if self.runner.uniform_prefill:
@@ -348,15 +400,15 @@ class Scheduler:
             return todo[: max(1, self.prefill_budget // width)]
 
         def tokens(width: int) -> tuple[int, int]:  # most tokens, then the narrowest
-            return sum(min(_body_left(r), width) for r in rows(width)), -width
+            return sum(min(_room(r), width) for r in rows(width)), -width
 
         width = max(self.ladders.widths, key=tokens)
-        return self._chunks([(req, min(_body_left(req), width)) for req in rows(width)])
+        return self._chunks([(req, min(_room(req), width)) for req in rows(width)])
 
     def _natural_chunk(self, req: Req) -> int:
         """A row's chunk in a step without padding: the most it may run, down to a ladder width
         (a bucketed shape) when there is one, else its whole rest."""
-        n = min(_body_left(req), self.chunk)
+        n = min(_room(req), self.chunk)
         if self.ladders.exact:
             return n
         fits = [w for w in self.ladders.widths if w <= n]
@@ -370,6 +422,8 @@ class Scheduler:
             self._counters["prefill_tokens"] += n
             if _due(req):
                 self._to_publish.append(req)
+            elif req.prefilled == req.snap_at:
+                self._to_snapshot.append(req)
         return chunks
 
     # -- results -----------------------------------------------------------------------------
@@ -384,11 +438,11 @@ class Scheduler:
         if batch.decode_out is None:
             return
         tokens, logprobs = _host(batch.decode_out)
+        self.step_times.add(batch, time.monotonic())
         for req in batch.joined:
             self._start_decoding(req)
-        for req in batch.rows:
-            assert req.row is not None, "a launched request holds a KV row"
-            self._accept(req, tokens[req.row], logprobs[req.row])
+        for i, req in enumerate(batch.rows):
+            self._accept(req, tokens[i], logprobs[i])
 
     def _start_decoding(self, req: Req) -> None:
         """Its prompt is in the KV and its first token sampled: it joins the decode rows."""
@@ -410,18 +464,21 @@ class Scheduler:
         """Row moves and releases; only called while no step is in flight."""
         assert self._current is None and self._next is None
         for req in self._to_publish:
-            if not req.finished and self.prefix is not None:
-                self.prefix.publish(req)
+            if not req.finished and req.slot is not None:
+                self.kv.publish(req)
         self._to_publish.clear()
+        for req in self._to_snapshot:
+            if not req.finished and req.slot is not None:
+                self.kv.snapshot_at(req)
+        self._to_snapshot.clear()
         for req in self._to_promote:
             if not req.finished:
-                self.rows.promote(req)
+                self.running.promote(req)
         self._to_promote.clear()
         for req in self._to_free.values():
-            if req.row is not None:
-                if self.prefix is not None:
-                    self.prefix.retire(req)
-                self.rows.release(req)
+            if req.slot is not None:
+                self.kv.release(req)
+                self.running.release(req)
             req.state = State.FINISHED
         self._to_free.clear()
 
@@ -453,6 +510,16 @@ class Scheduler:
             self._waiting.remove(req)
         else:
             self._to_free[req.rid] = req
+
+
+def _slot_bytes(layout: Layout, chunk: int, context: int | None) -> int:
+    """Bytes one running request holds outside the pages: window rings and recurrent state."""
+    rings = sum(
+        ring_size(s.window, chunk, context or s.window + chunk) * bytes_per_token([s])
+        for s in layout.kv
+        if s.window is not None
+    )
+    return rings + layout.state_bytes_per_row
 
 
 def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:
@@ -495,9 +562,17 @@ def _uniform_chunks(
     return [(r, n) for r in reqs[: fit(n)]]
 
 
+def _room(req: Req) -> int:
+    """Fill tokens the request's next chunk may run: up to its snapshot point, if it has one."""
+    left = _body_left(req)
+    if req.snap_at is not None and req.prefilled < req.snap_at:
+        return min(left, req.snap_at - req.prefilled)
+    return left
+
+
 def _body_left(req: Req) -> int:
-    """Prompt tokens still to prefill before the last one (which runs in a decode step)."""
-    return req.prompt_len - 1 - req.prefilled
+    """Fill tokens still to prefill before the last one (which runs in a decode step)."""
+    return req.fill_len - 1 - req.prefilled
 
 
 def _due(req: Req) -> bool:

@@ -35,20 +35,19 @@ class Ladders:
     rows: tuple[int, ...]  # forward rows (batch dimension)
     widths: tuple[int, ...]  # prefill query widths T
     kv: tuple[int, ...]  # keys read per row by a prefill step (warmed with every decode too)
-    row_len: int
+    row_len: int  # the context: most keys a row reads
     exact: bool = False  # no padding: every pad_* returns its argument
 
     @classmethod
-    def for_pool(cls, rows: int, row_len: int, chunk: int, exact: bool = False) -> Ladders:
-        """Rungs up to what the pool can hold: `rows` request rows (+1 scratch), `row_len`."""
-        max_rows = rows + 1
-        row_rungs = tuple(r for r in _ROW_RUNGS if r < max_rows) + (max_rows,)
-        widest = min(chunk, row_len)
+    def for_pool(cls, slots: int, context: int, chunk: int, exact: bool = False) -> Ladders:
+        """Rungs up to what the pool can hold: `slots` running requests of `context` tokens."""
+        row_rungs = tuple(r for r in _ROW_RUNGS if r < slots) + (slots,)
+        widest = min(chunk, context)
         return cls(
             rows=row_rungs,
             widths=tuple(_powers(min(_MIN_WIDTH, widest), widest)),
-            kv=tuple(_powers(min(_MIN_KV, row_len), row_len)),
-            row_len=row_len,
+            kv=tuple(_powers(min(_MIN_KV, context), context)),
+            row_len=context,
             exact=exact,
         )
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from scheduler_proc.kv_cache import KVPool, Layout, StepRows
+from scheduler_proc.kv_cache import KVPool, StepRows
+from scheduler_proc.kv_layout import Layout
 
 _TOKENS = [[11, 12, 13, 14], [21, 22, 0, 0]]  # NOTE: row 1 has two real tokens, two pads
 _ATOL, _RTOL = 1e-4, 1e-3
@@ -32,10 +33,8 @@ def padding_keeps_state(model, layout: Layout) -> bool:
 
 def _run(model, layout: Layout, tokens: list[list[int]], lengths: list[int]):
     rows, width = len(tokens), len(tokens[0])
-    pool = KVPool(list(layout.kv), rows, 2 * width, layout)
-    for _ in range(rows):
-        pool.alloc()
-    plan = StepRows(list(range(rows)), [0] * rows, lengths, width)
+    pool = KVPool(layout, pages=rows, page_size=width, slots=rows, context=width, chunk=width)
+    plan = StepRows(list(range(rows)), [[r] for r in range(rows)], [0] * rows, lengths, width)
     model(mx.array(tokens, dtype=mx.int32), cache=pool.ragged_view(plan, width))
     mx.eval(pool.state())
     return pool.states

@@ -1,11 +1,16 @@
 """Decode attention alone, B rows of different lengths: the fused kernel vs MLX's own op.
 
-Per configuration, the time of one attention call (16 chained calls per evaluation, as 16 layers):
-  - `mlx equal`: `mx.fast.scaled_dot_product_attention` over a slice, every row as long as the
-    longest, no mask (mlx-lm's batched case, and MLX's fused decode kernel on CUDA);
-  - `mlx mask`: the same slice with a per-row boolean mask (the engine's masked path);
-  - `fused`: `scheduler_proc.decode_attention` over the whole pool buffers and row lengths.
-It also prints the fused output's largest difference from the masked one (rows alike).
+Each row's keys sit in pages of `--page-size` slots shuffled across one pool buffer per K and V,
+as the paged KV cache holds them. Per configuration, the time of one attention call (16 chained
+calls per evaluation, as 16 layers):
+  - `mlx equal`: `mx.fast.scaled_dot_product_attention` over contiguous rows (gathered once,
+    untimed), every row as long as the longest, no mask (mlx-lm's batched case, and MLX's fused
+    decode kernel on CUDA);
+  - `mlx mask`: the same rows with a per-row boolean mask;
+  - `paged mask`: the kernel's masked twin, the pages gathered then masked (the engine's masked
+    path);
+  - `fused`: `scheduler_proc.decode_attention` through the page table, in one pass and split.
+It also prints the fused output's largest difference from the masked twin's.
 
   python3 scripts/bench_decode_attention.py                      # a GPU: the kernel
   .venv/bin/python scripts/bench_decode_attention.py --batch 4   # elsewhere: its masked twin
@@ -17,7 +22,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,7 +33,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", default="16,64,128", help="comma list of row counts")
     p.add_argument("--context", default="600", help="longest row (comma list); rows from half")
-    p.add_argument("--row-len", type=int, default=4096, help="pool row length (buffer keys)")
+    p.add_argument("--row-len", type=int, default=4096, help="pool slots per row (pool size)")
+    p.add_argument("--page-size", type=int, default=32, help="slots per page")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=64)
@@ -34,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def timed(fn, iters: int) -> float:
+def timed(fn: Callable[[], Any], iters: int) -> float:
     import mlx.core as mx
 
     mx.eval(fn())
@@ -46,7 +54,7 @@ def timed(fn, iters: int) -> float:
     return statistics.median(times) / 16
 
 
-def chain(q, step):
+def chain(q: Any, step: Callable[[Any], Any]) -> Callable[[], Any]:
     """16 attention calls, each on the last one's output (16 layers' worth per evaluation)."""
 
     def run():
@@ -58,34 +66,58 @@ def chain(q, step):
     return run
 
 
-def measure(args: argparse.Namespace, b: int) -> str:
+def paged_pool(args: argparse.Namespace, b: int, keys: int) -> tuple[Any, Any, Any]:
+    """K, V (1, KVH, S, D) for b rows of `--row-len` slots and a scratch page, and the step's
+    PagedKeys: row lengths from keys // 2 to keys (row 0 the longest), pages shuffled."""
+    import mlx.core as mx
+
+    from scheduler_proc.decode_attention import PagedKeys
+
+    p = args.page_size
+    per_row = max(-(-args.row_len // p), -(-keys // p))
+    width = -(-keys // p)
+    mx.random.seed(b)
+    order = (1 + mx.random.permutation(b * per_row)).reshape(b, per_row)  # NOTE: 0 the scratch
+    lens = mx.random.randint(keys // 2, keys + 1, (b,)).astype(mx.int32)
+    lens[0] = keys
+    shape = (1, args.kv_heads, (1 + b * per_row) * p, args.dim)
+    k = mx.random.normal(shape).astype(mx.bfloat16)
+    v = mx.random.normal(shape).astype(mx.bfloat16)
+    table = order[:, :width].astype(mx.int32)
+    mx.eval(k, v, lens, table)
+    return k, v, PagedKeys(lens, keys, table, p)
+
+
+def measure(args: argparse.Namespace, b: int, n: int) -> str:
     import mlx.core as mx
 
     from scheduler_proc import decode_attention as da
 
-    mx.random.seed(b)
-    lens = mx.random.randint(args.keys // 2, args.keys + 1, (b,)).astype(mx.int32)
-    lens[0] = args.keys
-    shape = (b + 1, args.kv_heads, args.row_len, args.dim)
-    k = mx.random.normal(shape).astype(mx.bfloat16)
-    v = mx.random.normal(shape).astype(mx.bfloat16)
+    k, v, keys = paged_pool(args, b, n)
     q = mx.random.normal((b, args.heads, 1, args.dim)).astype(mx.bfloat16)
-    mx.eval(k, v, q, lens)
-    n, scale = args.keys, args.dim**-0.5
-    mask = (mx.arange(n)[None] < lens[:, None])[:, None, None]
-    ks, vs = k[:b, :, :n], v[:b, :, :n]
+    scale = args.dim**-0.5
+    mask = (mx.arange(n)[None] < keys.lengths[:, None])[:, None, None]
+    ks, vs = (
+        da._gather(k, keys.table, keys.page_size, n),
+        da._gather(v, keys.table, keys.page_size, n),
+    )
+    mx.eval(q, ks, vs)
     sdpa = mx.fast.scaled_dot_product_attention
-    equal = timed(chain(q, lambda x: sdpa(x, ks, vs, scale=scale)), args.iters)
-    masked = timed(chain(q, lambda x: sdpa(x, ks, vs, scale=scale, mask=mask)), args.iters)
-    one = timed(chain(q, lambda x: da.decode_attention(x, k, v, lens, scale, splits=1)), args.iters)
-    fused = timed(chain(q, lambda x: da.decode_attention(x, k, v, lens, scale, n)), args.iters)
-    diff = da.decode_attention(q, k, v, lens, scale, n) - sdpa(q, ks, vs, scale=scale, mask=mask)
+    run = {
+        "equal": lambda x: sdpa(x, ks, vs, scale=scale),
+        "mask": lambda x: sdpa(x, ks, vs, scale=scale, mask=mask),
+        "paged": lambda x: da._masked(x, k, v, keys, scale),
+        "one": lambda x: da.decode_attention(x, k, v, keys, scale, splits=1),
+        "fused": lambda x: da.decode_attention(x, k, v, keys, scale),
+    }
+    us = {name: timed(chain(q, step), args.iters) * 1e6 for name, step in run.items()}
+    diff = da.decode_attention(q, k, v, keys, scale) - da._masked(q, k, v, keys, scale)
     err = mx.max(mx.abs(diff.astype(mx.float32))).item()
     splits = da.split_count(b * args.kv_heads, n)
-    return (f"B={b:4d} keys<={n} | us per call: mlx equal {equal * 1e6:8.1f} | mlx mask "
-            f"{masked * 1e6:8.1f} | fused one pass {one * 1e6:8.1f} | fused {splits} split(s) "
-            f"{fused * 1e6:8.1f} | fused/equal {fused / equal:.2f} | max |fused - mask| "
-            f"{err:.2e}")  # fmt: skip
+    return (f"B={b:4d} keys<={n} | us per call: mlx equal {us['equal']:8.1f} | mlx mask "
+            f"{us['mask']:8.1f} | paged mask {us['paged']:8.1f} | fused one pass {us['one']:8.1f}"
+            f" | fused {splits} split(s) {us['fused']:8.1f} | fused/equal "
+            f"{us['fused'] / us['equal']:.2f} | max |fused - mask| {err:.2e}")  # fmt: skip
 
 
 def main() -> None:
@@ -95,11 +127,11 @@ def main() -> None:
     from scheduler_proc import decode_attention as da
 
     print(f"{mx.default_device()} | kernel: {da.available()} | heads {args.heads}/{args.kv_heads}"
-          f" dim {args.dim} bf16 | buffers of {args.row_len} keys")  # fmt: skip
+          f" dim {args.dim} bf16 | pools of {args.row_len} slots per row in pages of "
+          f"{args.page_size}")  # fmt: skip
     for context in args.context.split(","):
-        args.keys = int(context)
         for b in args.batch.split(","):
-            print(measure(args, int(b)), flush=True)
+            print(measure(args, int(b), int(context)), flush=True)
 
 
 if __name__ == "__main__":

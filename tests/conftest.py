@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,30 @@ from engine.cpu_backend import setup_cpu_backend
 setup_cpu_backend(None, log_line=False)
 
 from engine.random_model import TINY_LLAMA, TINY_QWEN3, make_random_model  # noqa: E402
+
+# NOTE: every test runs under a deadline, so a planted bug that hangs fails its test instead of
+# the suite; `@pytest.mark.timeout(s)` gives a test its own.
+TEST_TIMEOUT_S = 600
+
+
+def _timed_out(signum: int, frame: object) -> None:
+    raise TimeoutError("the test ran past its deadline (tests/conftest.py TEST_TIMEOUT_S)")
+
+
+@pytest.fixture(autouse=True)
+def _deadline(request: pytest.FixtureRequest) -> Iterator[None]:
+    marker = request.node.get_closest_marker("timeout")
+    seconds = int(marker.args[0]) if marker else TEST_TIMEOUT_S
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _timed_out)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session")

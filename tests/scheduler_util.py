@@ -37,8 +37,8 @@ def bucketed(sched: Scheduler, warm: bool = True) -> Scheduler:
     its full warm-up, so the GPU's code path is checked here."""
     from scheduler_proc.shapes import Ladders
 
-    pool = sched.pool
-    sched.ladders = sched.runner.ladders = Ladders.for_pool(pool.rows, pool.row_len, sched.chunk)
+    slots, context = sched.running.slots, sched.max_context
+    sched.ladders = sched.runner.ladders = Ladders.for_pool(slots, context, sched.chunk)
     if warm:
         sched.runner.warm_up(sched.prefill_budget, deadline_s=600.0)
     return sched
@@ -101,3 +101,19 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def random_prompt(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
+
+
+def assert_pages_balanced(sched: Scheduler) -> None:
+    """Every page's references are the prefix cache's tokens in it, and nothing else: no running
+    request holds a page, a freed page is on the free list once, none is leaked."""
+    from collections import Counter
+
+    pages, page = sched.kv.pages, sched.pool.page_size
+    tree: Counter[int] = Counter()
+    if sched.prefix is not None:
+        for node in sched.prefix.tree.nodes():
+            tree.update(s // page for s in node.slots)
+    assert not sched.running.reqs, "a request still runs"
+    for p in range(1, pages.size + 1):
+        assert pages.refs(p) == tree[p], f"page {p}: {pages.refs(p)} refs, {tree[p]} cached"
+    assert pages.available == pages.size - len(tree), "free list and counts disagree"

@@ -75,7 +75,7 @@ TWO_RANKS = textwrap.dedent(
     kv = EngineConfig(max_total_tokens=tokens, context_length=1024, max_running_requests=8)
     mine = plan_kv(kv, 64, None)
     agreed = agree_kv_plan(group, mine)
-    print("KV", mine.rows, agreed.rows, agreed.row_len, agreed.store_tokens, flush=True)
+    print("KV", mine.pages, agreed.pages, agreed.slots, agreed.context, flush=True)
     """
 )
 
@@ -108,7 +108,7 @@ def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(tmp_path: Pa
         assert out.count("OPTIONS the ranks were started with different") == 1, out
     # NOTE: rank 0 could hold 8 rows and a 1024-token store, rank 1 only 4 and 512: both allocate
     # rank 1's plan.
-    assert "KV 8 4 1024 512" in outs[0] and "KV 4 4 1024 512" in outs[1], outs
+    assert "KV 511 175 8 1024" in outs[0] and "KV 175 175 8 1024" in outs[1], outs
 
 
 def test_heads_must_divide_by_the_ranks(tiny_weights_dir):

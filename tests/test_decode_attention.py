@@ -1,45 +1,80 @@
-"""The fused decode attention: rows of different lengths over whole pool buffers, no mask.
+"""The fused decode attention: rows of different lengths read through a page table, no mask.
 
-The kernel runs on CUDA only (checked there against MLX's attention over each row's own keys);
-its masked twin and the plumbing (whole buffers, row lengths, the model's attention rebound, the
-start-up check) run everywhere. Greedy parity through it: tests/test_scheduler_parity.py.
+The kernel runs on CUDA only (checked there against the masked twin); the masked twin (checked
+everywhere against MLX's attention over each row's keys assembled by hand from its pages) and the
+plumbing (`PagedKeys`, the model's attention rebound, the start-up checks) run everywhere.
+Greedy parity through it: tests/test_scheduler_parity.py.
 """
 
 from __future__ import annotations
 
+import random
+
 import mlx.core as mx
 import mlx_lm.models.llama as llama_module
 import pytest
-from scheduler_util import make_scheduler, tiny_model
+from mlx_lm.models import base
+from mlx_lm.utils import load_model
 
 from scheduler_proc import decode_attention
+from scheduler_proc.decode_attention import PagedKeys
 
 CUDA = decode_attention.available()
+cuda_only = pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend")
+
+LENGTHS = [1, 0, 127, 128, 129, 600, 1000, 2, 1100, 31, 32, 33]
+GARBAGE = 1e4  # NOTE: slots no row may read: one of them in a softmax swamps every other key
+SCRATCH = 0  # NOTE: the page that pads every table row past the row's own pages
 
 
-def _rows(heads: int, kv_heads: int, dim: int, lengths: list[int], dtype, l_max: int = 1100):
-    mx.random.seed(0)
-    b = len(lengths)
-    q = mx.random.normal((b, heads, 1, dim)).astype(dtype)
-    # NOTE: one more pool row than the step reads, as the pool's scratch row
-    k = mx.random.normal((b + 1, kv_heads, l_max, dim)).astype(dtype)
-    v = mx.random.normal((b + 1, kv_heads, l_max, dim)).astype(dtype)
-    return q, k, v, mx.array(lengths, dtype=mx.int32)
+class Case:
+    """Rows' pages shuffled across a pool, every slot outside a row's keys (the scratch page, the
+    tails of rows' last pages, free pages) garbage; `slots[b]` row b's keys' slots, by hand."""
 
-
-def _each_row(q, k, v, lengths: list[int], scale: float) -> list[mx.array | None]:
-    """MLX's own attention over exactly row b's first lengths[b] keys (None: a pad row)."""
-    return [
-        None
-        if n == 0
-        else mx.fast.scaled_dot_product_attention(
-            q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], scale=scale
+    def __init__(self, heads, kv_heads, dim, lengths, page_size, dtype, spare_pages=1):
+        rng = random.Random(0)
+        p = page_size
+        need = [-(-n // p) for n in lengths]
+        width = max(need) + spare_pages  # NOTE: padded past the longest row, as a bucket is
+        pages = list(range(1, 1 + sum(need) + 5))  # NOTE: 5 free pages
+        rng.shuffle(pages)
+        self.table, self.slots = [], []
+        for n, m in zip(lengths, need, strict=True):
+            own, pages = pages[:m], pages[m:]
+            self.table.append(own + [SCRATCH] * (width - m))
+            self.slots.append([own[t // p] * p + t % p for t in range(n)])
+        total = (1 + sum(need) + 5) * p
+        mx.random.seed(0)
+        real = mx.zeros((total,), dtype=mx.bool_)
+        real[mx.array([s for row in self.slots for s in row], dtype=mx.int32)] = True
+        shape = (1, kv_heads, total, dim)
+        k, v = mx.random.normal(shape), mx.random.normal(shape)
+        self.k = mx.where(real[:, None], k, GARBAGE).astype(dtype)
+        self.v = mx.where(real[:, None], v, GARBAGE).astype(dtype)
+        self.q = mx.random.normal((len(lengths), heads, 1, dim)).astype(dtype)
+        self.lengths = lengths
+        self.keys = PagedKeys(
+            lengths=mx.array(lengths, dtype=mx.int32),
+            max_len=max(lengths),
+            table=mx.array(self.table, dtype=mx.int32),
+            page_size=p,
         )
-        for b, n in enumerate(lengths)
-    ]
+
+    def each_row(self, scale: float, sinks: mx.array | None = None) -> list[mx.array | None]:
+        """MLX's own attention over exactly row b's keys (None: a pad row)."""
+        out: list[mx.array | None] = []
+        for b, slots in enumerate(self.slots):
+            if not slots:
+                out.append(None)
+                continue
+            idx = mx.array(slots, dtype=mx.int32)
+            k, v = self.k[:, :, idx], self.v[:, :, idx]
+            q = self.q[b : b + 1]
+            out.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, sinks=sinks))
+        return out
 
 
-def _assert_rows_match(out, want, tol: float) -> None:
+def _assert_rows_match(out: mx.array, want: list[mx.array | None], tol: float) -> None:
     assert not mx.any(mx.isnan(out)).item()
     for b, w in enumerate(want):
         if w is not None:
@@ -47,17 +82,30 @@ def _assert_rows_match(out, want, tol: float) -> None:
             assert mx.allclose(got, w.astype(mx.float32), atol=tol, rtol=tol).item(), b
 
 
-LENGTHS = [1, 0, 127, 128, 129, 600, 1000, 2, 1100]
-
-
+@pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 8, 32), (6, 2, 128)])
-def test_the_masked_twin_attends_to_each_rows_own_keys(heads, kv_heads, dim):
-    q, k, v, lengths = _rows(heads, kv_heads, dim, LENGTHS, mx.float32)
-    out = decode_attention._masked(q, k, v, lengths, 0.125)
-    _assert_rows_match(out, _each_row(q, k, v, LENGTHS, 0.125), 1e-5)
+def test_the_masked_twin_attends_to_each_rows_own_keys(heads, kv_heads, dim, page_size):
+    case = Case(heads, kv_heads, dim, LENGTHS, page_size, mx.float32)
+    out = decode_attention._masked(case.q, case.k, case.v, case.keys, 0.125)
+    _assert_rows_match(out, case.each_row(0.125), 1e-5)
 
 
-@pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend")
+def test_the_masked_twin_under_a_loose_bound_reads_the_table_to_its_end():
+    """A bucketed `max_len` past every row (the table's whole width) changes nothing."""
+    case = Case(4, 2, 64, LENGTHS, 16, mx.float32, spare_pages=3)
+    loose = PagedKeys(case.keys.lengths, len(case.table[0]) * 16, case.keys.table, 16)
+    out = decode_attention._masked(case.q, case.k, case.v, loose, 0.125)
+    _assert_rows_match(out, case.each_row(0.125), 1e-5)
+
+
+def test_the_masked_twin_of_a_step_of_pad_rows_only():
+    """Every row padding (max_len 0): still one key per softmax row, so no NaN."""
+    case = Case(4, 2, 64, [0, 0], 16, mx.float32)
+    out = decode_attention._masked(case.q, case.k, case.v, case.keys, 0.125)
+    assert out.shape == case.q.shape and not mx.any(mx.isnan(out)).item()
+
+
+@cuda_only
 @pytest.mark.parametrize(
     "heads,kv_heads,dim", [(32, 8, 64), (16, 16, 128), (8, 1, 256), (9, 3, 64)]
 )
@@ -65,24 +113,34 @@ def test_the_masked_twin_attends_to_each_rows_own_keys(heads, kv_heads, dim):
 def test_the_kernel_attends_to_each_rows_own_keys(heads, kv_heads, dim, dtype):
     """Few rows: each row's keys split across blocks and merged (rows of 0 to 1100 keys, so
     some splits get no key)."""
-    _check_kernel(heads, kv_heads, dim, dtype, splits=None)
+    _check_kernel(heads, kv_heads, dim, dtype, 32, splits=None)
 
 
-@pytest.mark.skipif(not CUDA, reason="the kernel runs on MLX's CUDA backend")
+@cuda_only
+@pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-pass", "three"])
-def test_the_kernel_in_one_pass_or_an_odd_split(splits):
-    _check_kernel(32, 8, 64, mx.bfloat16, splits)
+def test_the_kernel_in_one_pass_or_an_odd_split(splits, page_size):
+    _check_kernel(32, 8, 64, mx.bfloat16, page_size, splits)
 
 
-def _check_kernel(heads: int, kv_heads: int, dim: int, dtype, splits: int | None) -> None:
-    q, k, v, lengths = _rows(heads, kv_heads, dim, LENGTHS, dtype)
+def _check_kernel(heads, kv_heads, dim, dtype, page_size: int, splits: int | None) -> None:
+    case = Case(heads, kv_heads, dim, LENGTHS, page_size, dtype)
     if splits is None:
         assert decode_attention.split_count(len(LENGTHS) * kv_heads, max(LENGTHS)) > 1
-    out = decode_attention.decode_attention(q, k, v, lengths, dim**-0.5, splits=splits)
+    scale = dim**-0.5
+    out = decode_attention.decode_attention(case.q, case.k, case.v, case.keys, scale, splits)
+    q, k, v = (x.astype(mx.float32) for x in (case.q, case.k, case.v))
+    want = decode_attention._masked(q, k, v, case.keys, scale)
     # NOTE: MLX's float32 attention on CUDA multiplies in TF32: the reference is the coarse one.
     tol = 2e-3 if dtype == mx.float32 else 2e-2
-    _assert_rows_match(out, _each_row(q, k, v, LENGTHS, dim**-0.5), tol)
+    _assert_rows_match(out, [None if n == 0 else want[b] for b, n in enumerate(LENGTHS)], tol)
     assert not mx.any(out[1] != 0).item()  # NOTE: a pad row gives zeros
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_the_kernel_passes_its_start_up_check(dtype):
+    assert decode_attention.self_check(dtype)
 
 
 def test_few_rows_split_their_keys_across_blocks():
@@ -95,9 +153,104 @@ def test_few_rows_split_their_keys_across_blocks():
     assert decode_attention.split_count(blocks=8, max_len=600) == 1
 
 
+def _fake_kernel(shift: int = 0, pad_zeros: bool = True):
+    """The masked twin with the kernel's zeros for pad rows; `shift` moves each length."""
+
+    def run(q, k, v, keys, scale, splits=None):
+        moved = PagedKeys(keys.lengths + shift, keys.max_len + 1, keys.table, keys.page_size)
+        out = decode_attention._masked(q, k, v, moved, scale)
+        return mx.where((keys.lengths > 0)[:, None, None, None], out, 0) if pad_zeros else out
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "kernel,agrees",
+    [
+        (_fake_kernel(), True),
+        (_fake_kernel(shift=1), False),
+        (_fake_kernel(pad_zeros=False), False),
+        (None, False),
+    ],
+    ids=["right", "one-key-past", "pad-rows-not-zero", "fails-to-build"],
+)
+def test_the_start_up_check_turns_a_wrong_kernel_away(monkeypatch, kernel, agrees):
+    """Off CUDA with a stand-in kernel: the check passes only one that agrees with the twin."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvrtc: error")
+
+    monkeypatch.setattr(decode_attention, "available", lambda: True)
+    monkeypatch.setattr(decode_attention, "decode_attention", kernel or broken)
+    assert decode_attention.self_check(mx.float32) is agrees
+
+
+def test_off_cuda_the_start_up_check_runs_nothing(monkeypatch):
+    monkeypatch.setattr(decode_attention, "available", lambda: False)
+    monkeypatch.setattr(decode_attention, "decode_attention", None)  # NOTE: a call would raise
+    assert decode_attention.self_check() is True
+
+
+class _Paged:
+    """A layer cache in a fused decode step."""
+
+    def __init__(self, keys: PagedKeys | None) -> None:
+        self.keys = keys
+
+    def fused_lengths(self) -> PagedKeys | None:
+        return self.keys
+
+
+@pytest.mark.parametrize("cache", [object(), _Paged(None)], ids=["no-fused-lengths", "not-fused"])
+def test_attention_outside_a_fused_decode_is_mlx_lms(monkeypatch, cache):
+    seen = []
+
+    def mlx_lms(*args):
+        seen.append(args)
+        return "mlx-lm"
+
+    monkeypatch.setattr(base, "scaled_dot_product_attention", mlx_lms)
+    before = decode_attention.counts.calls
+    q = mx.zeros((1, 2, 1, 8))
+    assert decode_attention.attention(q, q, q, cache, 0.5, "causal") == "mlx-lm"
+    assert len(seen) == 1 and seen[0][3:] == (cache, 0.5, "causal", None)
+    assert decode_attention.counts.calls == before
+
+
+@pytest.mark.parametrize(
+    "dim,sinks,masked",
+    [(64, False, False), (64, True, True), (288, False, True)],
+    ids=["fits", "sinks", "too-wide"],
+)
+def test_attention_in_a_fused_decode_reads_the_pages(dim, sinks, masked):
+    """The kernel where it fits (its twin off CUDA), the masked twin with sinks or a head too
+    wide; every call counted, those that took the masked path too."""
+    case = Case(4, 2, dim, [5, 0, 40], 16, mx.float32)
+    sink = mx.array([0.5, -1.0, 2.0, 0.0]) if sinks else None
+    before = (decode_attention.counts.calls, decode_attention.counts.masked)
+    out = decode_attention.attention(case.q, case.k, case.v, _Paged(case.keys), 0.125, None, sink)
+    _assert_rows_match(out, case.each_row(0.125, sink), 1e-5)
+    assert decode_attention.counts.calls == before[0] + 1
+    assert decode_attention.counts.masked == before[1] + masked
+
+
+def test_install_rebinds_mlx_lms_name_in_the_models_modules(tiny_weights_dir, monkeypatch):
+    model = load_model(tiny_weights_dir)[0]
+    # NOTE: recorded, so the rebinding is undone after the test
+    monkeypatch.setattr(
+        llama_module, "scaled_dot_product_attention", base.scaled_dot_product_attention
+    )
+    assert decode_attention.install(model) >= 1
+    assert llama_module.scaled_dot_product_attention is decode_attention.attention
+    assert decode_attention.install(model) >= 1  # NOTE: installed twice: still counted
+
+
 def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(tiny_weights_dir, monkeypatch):
     """The start-up check: a layer that bypasses the rebound name would read whole buffers
     unmasked, so the runner keeps the masked path for such a model."""
+    # NOTE: imported here: only this test needs the scheduler
+    from scheduler_util import make_scheduler, tiny_model
+
     model = tiny_model(tiny_weights_dir)
 
     def own_attention(queries, keys, values, cache, scale, mask, sinks=None):

@@ -14,6 +14,7 @@ import random
 
 import pytest
 from scheduler_util import (
+    assert_pages_balanced,
     bucketed,
     count_forwards,
     drive,
@@ -70,7 +71,8 @@ def _check(model, reqs, **overrides):
         assert tokens(outs[rid]) == reference_greedy(model, prompt, max_tokens), rid
         assert outs[rid][-1].finish_reason == "length"
     stats = sched.stats()
-    assert stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0
+    assert stats["kv_tokens_in_use"] == 0 and stats["kv_slots_in_use"] == 0
+    assert_pages_balanced(sched)
     assert forwards == [1] * stats["steps_launched"]
     return sched
 
@@ -107,10 +109,14 @@ def test_greedy_parity_prefix_cache_on_and_off(family):
     for cache in (True, False):
         sched = _check(model, reqs, disable_radix_cache=not cache)
         hits = sched.stats().get("prefix_cache_hit_tokens", 0)
-        if cache and name not in HYBRID:
-            assert hits >= 3 * len(system), hits
-        else:
+        if not cache:
             assert hits == 0
+        elif name in WINDOWED or name in HYBRID:
+            # NOTE: rings and recurrent state come back from a snapshot: the first request that
+            # shares the system prompt takes one where the sharing ends, the later ones hit it.
+            assert hits >= 2 * len(system), hits
+        else:
+            assert hits >= 3 * len(system), hits
 
 
 def test_the_family_models_see_their_context(family):
@@ -158,14 +164,20 @@ def test_window_layers_keep_a_ring_of_window_plus_chunk(name, tmp_path):
     """A window layer's memory per row is bounded by its window (plus one chunk), not the row."""
     model = tiny_model(make_random_model(tmp_path, TINY_FAMILIES[name]))
     sched = make_scheduler(model, chunked_prefill_size=8)
-    lens = [k.shape[2] for k in sched.pool.keys]
-    assert sorted(lens) == [TINY_WINDOW + 8 - 1, sched.pool.row_len]
-    # NOTE: the budget counts the rings, not full rows: what it plans is what is allocated.
-    plan = sched.kv_plan
-    assert plan.row_extra_tokens < 0
-    planned = (plan.rows + 1) * (plan.row_len + plan.row_extra_tokens) * plan.budget.bytes_per_token
-    # NOTE: rounded up to whole tokens per row
-    assert 0 <= planned - sched.pool.nbytes < (plan.rows + 1) * plan.budget.bytes_per_token
+    pool, plan = sched.pool, sched.kv_plan
+    for k, ring in zip(pool.keys, pool.rings, strict=True):
+        if ring is None:  # NOTE: full attention: pages of tokens
+            assert k.shape[1] == (pool.pages + 1) * plan.page_size
+        else:
+            assert ring == TINY_WINDOW + 8 - 1
+            assert (k.shape[0], k.shape[2]) == (plan.slots + 1, ring)
+    # NOTE: the budget counts the rings (and a snapshot of each slot), not full rows: what it
+    # plans is what the pool holds once grown to its capacity, to a token per slot.
+    bpt = plan.budget.bytes_per_token
+    at_capacity = pool.nbytes + (pool.capacity - pool.pages) * plan.page_size * bpt
+    slot = plan.slot_tokens * bpt
+    snapshots = (plan.slots + 1) * slot // 2
+    assert 0 <= plan.allocated_tokens * bpt - at_capacity - snapshots <= (plan.slots + 1) * bpt
 
 
 @pytest.mark.parametrize("name", WINDOWED)
@@ -196,7 +208,7 @@ def test_greedy_parity_window_layers_without_a_ring(name, tmp_path):
     reqs = [(f"r{i}", random_prompt(rng, n), 60 - n, 3 * i) for i, n in enumerate([1, 9, 20, 33])]
     reqs.append(("alone", random_prompt(rng, 30), 30, 200))  # NOTE: decodes as a lone row
     sched = _check(model, reqs, context_length=64, chunked_prefill_size=64, max_prefill_tokens=64)
-    assert sched.pool.rings == [None] * len(sched.pool.rings)
+    assert {r for r in sched.pool.rings if r is not None} == {64}
 
 
 def test_unpadded_prefill_only_where_padding_reaches_the_state(family):

@@ -11,6 +11,7 @@ import random
 
 import pytest
 from scheduler_util import (
+    assert_pages_balanced,
     drive,
     greedy,
     make_scheduler,
@@ -52,10 +53,10 @@ def _check(model, arrivals, **overrides):
 
 def _assert_clean(sched) -> None:
     stats = sched.stats()
-    assert stats["kv_rows_in_use"] == 0 and stats["kv_tokens_in_use"] == 0
+    assert stats["kv_slots_in_use"] == 0 and stats["kv_tokens_in_use"] == 0
+    assert_pages_balanced(sched)
     cache = sched.prefix
     assert cache.tree.locked_tokens == 0, "a lock outlived its request"
-    assert cache.tree.total_tokens == cache.store.slots.in_use, "prefix store slot leaked"
 
 
 def _cached(outs, rid: str) -> int:
@@ -115,7 +116,7 @@ def test_many_requests_share_one_prefix_at_once(llama):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
-    """Two rows and a small store: requests wait for rows, the store evicts, parity holds."""
+    """Pages for about three requests: requests wait for pages, the cache evicts, parity holds."""
     rng = random.Random(3)
     shared = [random_prompt(rng, 60) for _ in range(3)]
     arrivals: dict = {}
@@ -124,17 +125,16 @@ def test_memory_pressure_evicts_and_every_request_completes(llama, overlap):
         arrivals.setdefault(rng.randint(0, 60), []).append(
             (f"r{i}", prompt, greedy(rng.randint(1, 12)))
         )
-    # NOTE: two rows, the scratch row and an 80-token store.
-    budget = dict(max_total_tokens=3 * 160 + 80, context_length=160, max_running_requests=2)
+    # NOTE: 20 pages of 16 tokens (a scratch page beside them), shared by the cache and requests.
+    budget = dict(max_total_tokens=21 * 16, context_length=160, page_size=16)
     sched, outs = _check(llama, arrivals, disable_overlap=not overlap, **budget)
     stats = sched.stats()
-    assert stats["kv_rows_total"] == 2 and stats["prefix_cache_capacity"] == 80
+    assert stats["kv_pages_total"] == 20
     assert stats["prefix_cache_evicted_tokens"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
-    allocated = sched.pool.nbytes + sched.prefix.store.nbytes
     plan = sched.kv_plan
-    assert allocated == plan.tokens * plan.budget.bytes_per_token
-    assert allocated <= plan.budget.tokens * plan.budget.bytes_per_token, "KV beyond the budget"
+    at_capacity = (sched.pool.capacity + 1) * plan.page_size * plan.budget.bytes_per_token
+    assert sched.pool.nbytes <= at_capacity <= plan.budget.tokens * plan.budget.bytes_per_token
 
 
 def test_a_prompt_that_can_never_fit_is_rejected(llama):
@@ -195,23 +195,20 @@ def test_simultaneous_arrivals_compute_a_shared_prompt_once(llama, system_len):
 
 
 @pytest.mark.parametrize("budget", [480, 5000, 65536, 10**6])
-@pytest.mark.parametrize("running", [1, 8, 64])
-def test_rows_come_first_and_everything_stays_within_the_budget(budget, running):
+@pytest.mark.parametrize("running", [0, 1, 8, 64])
+@pytest.mark.parametrize("slot_bytes", [0, 3000])
+def test_everything_stays_within_the_budget(budget, running, slot_bytes):
+    """Pages, their scratch page and every slot (rings, state) fit the budget; the context never
+    exceeds what the pages hold; running requests as asked, or by the rule (0)."""
     from engine.config import EngineConfig
-    from scheduler_proc.kv_budget import STORE_SHARE, plan_kv
+    from scheduler_proc.kv_budget import plan_kv
 
-    base = dict(max_total_tokens=budget, context_length=160, max_running_requests=running)
-    off = plan_kv(EngineConfig(**base, disable_radix_cache=True), 1024, None)
-    on = plan_kv(EngineConfig(**base), 1024, None)
-    for plan in (off, on):
-        assert plan.tokens <= budget  # rows, the scratch row and the store
-        # NOTE: rows for --max-running-requests whenever the budget allows; the store never
-        # takes one away.
-        assert plan.rows == max(1, min(running, budget // plan.row_len - 1))
-    assert off.store_tokens == 0 and on.rows == off.rows
-    assert on.store_tokens <= on.rows * on.row_len * STORE_SHARE
-    if on.rows == running and budget >= on.tokens + on.row_len:
-        assert on.store_tokens == int(on.rows * on.row_len * STORE_SHARE)
+    config = EngineConfig(max_total_tokens=budget, context_length=160, max_running_requests=running)
+    plan = plan_kv(config, 1024, None, slot_bytes=slot_bytes)
+    assert plan.allocated_tokens <= max(budget, 2 * plan.page_size + plan.slot_tokens * 2)
+    assert plan.context <= plan.tokens and plan.slots >= 1
+    if running and plan.slot_tokens == 0:
+        assert plan.slots == running
 
 
 def test_offline_results_report_cached_tokens(tiny_weights_dir):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 from scheduler_util import (
+    assert_pages_balanced,
     bucketed,
     count_forwards,
     drive,
@@ -68,7 +69,8 @@ def _check_parity(model, overlap: bool, buckets: bool = False, fused: bool = Fal
         assert outs[rid][-1].finish_reason == "length"
         assert outs[rid][-1].completion_tokens == max_tokens
     stats = sched.stats()
-    assert stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0
+    assert stats["kv_tokens_in_use"] == 0 and stats["kv_slots_in_use"] == 0
+    assert_pages_balanced(sched)
     if overlap:
         assert stats["steps_chained"] > 0
     # NOTE: one model forward per step, prefill steps and decode steps alike.

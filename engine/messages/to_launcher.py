@@ -14,9 +14,9 @@ class SchedulerFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     model_dir: str
     model: str  # the name clients see
     vocab_size: int
-    max_context: int  # tokens per request (prompt + generated): one KV row
+    max_context: int  # tokens per request (prompt + generated)
     kv_budget_tokens: int = 0
-    prefix_cache_tokens: int = 0
+    prefix_cache_tokens: int = 0  # what the prefix cache may hold: the KV pages it shares
     tokenizer_defaults: str = "null"  # JSON of the model module's TOKENIZER_DEFAULTS
 
 

@@ -69,7 +69,7 @@ def _settled(client: EngineClient, within: float = 20.0) -> dict[str, float]:
     while True:
         stats = client.stats()
         busy = stats["requests_in_flight"] + stats["running"] + stats["waiting"]
-        if busy == 0 and stats["kv_tokens_in_use"] == 0 and stats["kv_rows_in_use"] == 0:
+        if busy == 0 and stats["kv_tokens_in_use"] == 0 and stats["kv_slots_in_use"] == 0:
             return stats
         assert time.monotonic() < deadline, f"the engine did not settle: {stats}"
         time.sleep(0.1)

@@ -1,0 +1,167 @@
+"""Pages for requests: admission by free pages, a page more as decode grows, release.
+
+The scheduler calls it only while no step is in flight, except `grow` for a chained decode step,
+which takes a free page and nothing else (no eviction: a page a step in flight reads is never
+free). Admission asks for the pages of the whole fill (prompt, or prompt + output after a
+preemption) less the prefix hit's shared pages, plus a reserve of one page per decoding request
+so running requests can grow; when decode still runs out, the scheduler preempts the newest
+request (`RunningTable.newest`), whose pages come back here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler_proc.kv_cache import KVPool, token_slots
+from scheduler_proc.pages import PageAllocator
+from scheduler_proc.prefix_cache import PrefixCache
+from scheduler_proc.request import Req
+from scheduler_proc.snapshots import SlotSnapshots
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, prefix: bool, snapshots: int = 0) -> None:
+        self.pool = pool
+        self.pages = PageAllocator(pool.pages, pool.page_size)
+        self.prefix = PrefixCache(self.pages) if prefix else None  # NOTE: None when off
+        # NOTE: models with rings or recurrent state: a hit also restores the slot (snapshots).
+        slotted = any(r is not None for r in pool.rings) or bool(pool.states)
+        self.snapshots = SlotSnapshots(pool, snapshots) if prefix and slotted else None
+
+    def admit(self, req: Req, reserve: int) -> bool:
+        """Give `req` its pages (a cached prefix shared) if they fit beside `reserve` pages."""
+        assert req.slot is not None, f"{req.rid}: admitted without a slot"
+        hit = None
+        blocks: list[int | list[int]] = []
+        if self.prefix is not None:
+            hit = self.prefix.acquire(req.fill_ids, req.fill_len - 1, self._boundary(req))
+            blocks = self.prefix.layout(hit)
+            req.snap_at = self._snap_point(req, hit.length)
+        total = self.pool.pages_for(req.fill_len)
+        shared = sum(isinstance(b, int) for b in blocks)
+        if not self.room(total - shared + reserve):
+            if hit is not None and self.prefix is not None:
+                self.prefix.unhit(hit)
+            return False
+        new = self.pages.alloc(total - shared)
+        req.pages = self._table(blocks, new)
+        req.hit = hit
+        n = hit.length if hit is not None else 0
+        req.prefilled = req.kv_len = n
+        if req.preemptions == 0:
+            req.cached_tokens = n
+        if n and self.snapshots is not None:
+            self.snapshots.restore(req.slot, req.fill_ids[:n])
+        else:
+            self.pool.reset_slot(req.slot)
+        return True
+
+    def _snap_point(self, req: Req, hit: int) -> int | None:
+        """Where the request should snapshot its slot: the end of what it shares with a cached
+        prefix beyond its snapshot-bounded hit, so the next request sharing it hits there."""
+        if self.snapshots is None or self.prefix is None:
+            return None
+        shared = self.prefix.tree.match_prefix(req.fill_ids[: req.fill_len - 1]).length
+        return shared if hit < shared < req.fill_len - 1 else None
+
+    def snapshot_at(self, req: Req) -> None:
+        """The request's slot holds exactly its first `snap_at` fill tokens: keep a copy."""
+        if req.snap_at is not None:
+            self._snapshot(req, req.fill_ids[: req.snap_at])
+        req.snap_at = None
+
+    def _boundary(self, req: Req):
+        snaps = self.snapshots
+        if snaps is None:
+            return None
+        return lambda n: snaps.longest(req.fill_ids, n)
+
+    def _table(self, blocks: list[int | list[int]], new: list[int]) -> list[int]:
+        """Shared pages in place, own pages for the rest; copied blocks written now."""
+        table, fresh = [], iter(new)
+        src: list[int] = []
+        dst: list[int] = []
+        for block in blocks:
+            if isinstance(block, int):
+                self.pages.incref(block)
+                table.append(block)
+                continue
+            page = next(fresh)
+            src += block
+            dst += range(page * self.pool.page_size, page * self.pool.page_size + len(block))
+            table.append(page)
+        self.pool.copy_tokens(src, dst)
+        return table + list(fresh)
+
+    def grow(self, req: Req, evict: bool = True) -> bool:
+        """A page more when the request's next token starts one; False when none is free."""
+        while self.pool.pages_for(req.kv_len + 1) > len(req.pages):
+            if not (self.room(1) if evict else self.pages.available >= 1):
+                return False
+            req.pages += self.pages.alloc(1)
+        return True
+
+    def release(self, req: Req) -> None:
+        """Its pages go back (those the prefix cache holds stay); what it computed is cached
+        first, unless it ended in an error."""
+        if not req.pages:
+            raise RuntimeError(f"KV pages: {req.rid} released twice (or never admitted)")
+        if self.prefix is not None:
+            keep = req.finish_reason != "error" and req.kv_len > 0
+            if keep:
+                self._snapshot(req, (req.input_ids + req.output_ids)[: req.kv_len])
+            self.prefix.retire(req, self.slots(req, req.kv_len) if keep else None)
+        self.pages.release(req.pages)
+        req.pages = []
+
+    def publish(self, req: Req) -> None:
+        if self.prefix is not None:
+            self.prefix.publish(req, self.slots(req, req.fill_len - 1))
+            self._snapshot(req, req.fill_ids[: req.fill_len - 1])
+
+    def _snapshot(self, req: Req, tokens: list[int]) -> None:
+        if self.snapshots is not None and req.slot is not None:
+            self.snapshots.take(req.slot, tokens)
+
+    def room(self, n: int) -> bool:
+        """Whether `n` pages are free: the pool grows first (doubling, up to its capacity), then
+        cached spans nobody runs on are evicted; nothing is evicted when even that could not
+        free enough."""
+        short = n - self.pages.available
+        if short <= 0:
+            return True
+        if not self.could_free(n):
+            return False
+        pool = self.pool
+        self.pages.add(pool.grow(max(pool.pages + short, 2 * pool.pages)))
+        if self.pages.available >= n:
+            return True
+        if self.prefix is None:
+            return False
+        self.prefix.evict(n)
+        return self.pages.available >= n
+
+    def could_free(self, n: int) -> bool:
+        """Whether `n` pages are free or could be: the pool's room to grow and the pages only
+        the cache holds count."""
+        grow = self.pool.capacity - self.pool.pages
+        return self.pages.available + grow + self.pages.cache_only >= n
+
+    def slots(self, req: Req, n: int) -> list[int]:
+        slots: np.ndarray = token_slots(req.pages, 0, n, self.pool.page_size)
+        return slots.tolist()
+
+    def stats(self) -> dict[str, int | float]:
+        p = self.pages
+        out: dict[str, int | float] = {
+            "kv_pages_total": self.pool.capacity,
+            "kv_pages_allocated": p.size,
+            "kv_pages_free": p.available,
+            "kv_page_size": p.page_size,
+            "kv_tokens_allocated": p.in_use * p.page_size,
+        }
+        if self.prefix is not None:
+            out |= self.prefix.stats()
+        if self.snapshots is not None:
+            out |= {"prefix_cache_snapshots": len(self.snapshots)}
+        return out

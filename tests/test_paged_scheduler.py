@@ -1,0 +1,163 @@
+"""The paged KV pool through the scheduler: pages crossed, preemption, sharing, the defaults.
+
+Every parity check compares with mlx-lm's own greedy generation on a tiny random model that sees
+its context (tests/test_context_sensitive.py), so KV read from a wrong page changes tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scheduler_util import (
+    assert_pages_balanced,
+    bucketed,
+    drive,
+    greedy,
+    make_scheduler,
+    random_prompt,
+    reference_greedy,
+    tiny_model,
+    tokens,
+)
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequest
+from scheduler_proc.kv_budget import MAX_AUTO_RUNNING, TYPICAL_REQUEST_TOKENS
+from scheduler_proc.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_weights_dir):
+    return tiny_model(tiny_weights_dir)
+
+
+def _parity(sched: Scheduler, model, reqs) -> dict:
+    arrivals: dict = {}
+    for rid, prompt, n, at in reqs:
+        arrivals.setdefault(at, []).append((rid, prompt, greedy(n)))
+    outs = drive(sched, arrivals)
+    for rid, prompt, n, _ in reqs:
+        assert tokens(outs[rid]) == reference_greedy(model, prompt, n), rid
+        assert outs[rid][-1].completion_tokens == n
+    assert_pages_balanced(sched)
+    return outs
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_prompts_and_outputs_crossing_pages(llama, page_size, overlap):
+    """Prompts ending one before, on and after a page boundary, chunks that cross pages, decode
+    that opens new pages: every token as mlx-lm's."""
+    rng = random.Random(page_size)
+    lens = [page_size - 1 or 1, page_size, page_size + 1, 3 * page_size + 2, 37, 70]
+    reqs = [(f"r{i}", random_prompt(rng, n), 2 * page_size + 3, i) for i, n in enumerate(lens)]
+    sched = make_scheduler(
+        llama, page_size=page_size, chunked_prefill_size=8, disable_overlap=not overlap
+    )
+    _parity(sched, llama, reqs)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_preempted_streams_are_identical_to_uninterrupted_ones(llama, overlap):
+    """Too few pages for every stream to finish: the newest give their pages back mid-decode and
+    are recomputed; each stream still equals mlx-lm's, no token lost, repeated or reordered."""
+    rng = random.Random(7)
+    reqs = [(f"r{i}", random_prompt(rng, 20 + 3 * i), 40, 0) for i in range(6)]
+    # NOTE: 6 x (20..35 + 40) tokens need ~400; 160 tokens of pages hold about two at a time.
+    sched = make_scheduler(
+        llama,
+        page_size=4,
+        max_total_tokens=160,
+        context_length=160,
+        max_running_requests=6,
+        disable_overlap=not overlap,
+    )
+    outs = _parity(sched, llama, reqs)
+    assert sched.stats()["requests_preempted"] > 0
+    for rid, _, n, _ in reqs:
+        assert [o.finish_reason for o in outs[rid]][-1] == "length"
+        assert sum(len(o.token_ids) for o in outs[rid]) == n
+
+
+def test_preemption_with_the_prefix_cache_and_bucketed_shapes(llama):
+    """Preempted requests recompute through the prefix cache (their own KV, cached when they
+    gave their pages back), on the GPU's padded shapes."""
+    rng = random.Random(8)
+    system = random_prompt(rng, 24)
+    reqs = [(f"r{i}", system + random_prompt(rng, 5 + i), 30, 2 * i) for i in range(6)]
+    sched = make_scheduler(
+        llama, page_size=4, max_total_tokens=192, context_length=128, max_running_requests=6
+    )
+    bucketed(sched)
+    _parity(sched, llama, reqs)
+    stats = sched.stats()
+    assert stats["requests_preempted"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_concurrent_hits_share_pages_and_copy_only_the_partial_one(llama):
+    """Eight requests on one system prompt run at once: they hold its whole pages together (the
+    pages in use are far fewer than their tokens) and each copies at most the partly filled one."""
+    rng = random.Random(9)
+    system = random_prompt(rng, 64 + 6)  # NOTE: 4 whole pages of 16 and 6 tokens of a fifth
+    reqs = [(f"r{i}", system + random_prompt(rng, 3 + i), 24, 0) for i in range(8)]
+    sched = make_scheduler(llama, page_size=16)
+    seen: list[tuple[int, int]] = []
+
+    def on_launch(batch) -> None:
+        if len(batch.decode) == 8:
+            stats = sched.stats()
+            seen.append((stats["kv_request_tokens_allocated"], stats["kv_tokens_in_use"]))
+            tables = [r.pages for r in batch.decode]
+            assert all(t[:4] == tables[0][:4] for t in tables), "whole pages not shared"
+            assert len({t[4] for t in tables}) == 8, "a partly filled page shared, not copied"
+
+    sched.on_launch = on_launch
+    _parity(sched, llama, reqs)
+    assert seen, "the eight never decoded together"
+    allocated, held = seen[0]
+    assert allocated < 0.6 * held, (allocated, held)
+    assert sched.stats()["prefix_cache_hit_tokens"] >= 7 * len(system)
+
+
+def test_kv_in_use_follows_the_tokens_held(llama):
+    """Memory held by running requests is their tokens, rounded up to whole pages, nothing more:
+    no row reserved at the longest allowed request."""
+    rng = random.Random(10)
+    reqs = [(f"r{i}", random_prompt(rng, 10 + 13 * i), 12, 0) for i in range(12)]
+    sched = make_scheduler(llama, page_size=16, context_length=4096, disable_radix_cache=True)
+    worst = []
+
+    def on_launch(batch) -> None:
+        rows = batch.rows
+        if rows:
+            held = sum(r.kv_len for r in rows)
+            pages = sum(len(r.pages) for r in rows)
+            worst.append(pages * 16 - held)
+            assert pages * 16 - held < 16 * len(rows) + 16, "more than one partial page each"
+
+    sched.on_launch = on_launch
+    _parity(sched, llama, reqs)
+    assert worst
+
+
+def test_a_prompt_longer_than_the_context_names_the_limit(llama):
+    sched = make_scheduler(llama, context_length=64)
+    with pytest.raises(InvalidRequest, match=r"context holds 64.*--context-length"):
+        sched.submit("r", [1] * 64, greedy(1))
+
+
+def test_defaults_are_the_models_context_and_what_memory_holds(llama):
+    """No --context-length: the model's own limit; no --max-running-requests: the budget at a
+    typical request size, capped; both said in the plan's description."""
+    budget = 300 * TYPICAL_REQUEST_TOKENS
+    sched = Scheduler(EngineConfig(max_total_tokens=budget), llama, ())
+    plan = sched.kv_plan
+    assert plan.context == llama.args.max_position_embeddings
+    assert plan.slots == min(MAX_AUTO_RUNNING, budget // TYPICAL_REQUEST_TOKENS)
+    text = plan.describe()
+    assert "max_position_embeddings" in text and f"at most {MAX_AUTO_RUNNING}" in text
+    small = Scheduler(EngineConfig(max_total_tokens=5 * TYPICAL_REQUEST_TOKENS), llama, ())
+    assert small.kv_plan.slots == 5
+    tiny = Scheduler(EngineConfig(max_total_tokens=1000), llama, ())
+    assert tiny.kv_plan.context <= tiny.kv_plan.tokens and "cut to" in tiny.kv_plan.describe()
