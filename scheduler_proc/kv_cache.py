@@ -127,8 +127,9 @@ class _RaggedView:
         self._t = t = plan.width
         self.offset = mx.array(plan.starts, dtype=mx.int32)
         self._ends = self.offset + mx.array(plan.lengths, dtype=mx.int32)
-        self._write_idx = mx.array(self._write_slots(), dtype=mx.int32)
-        self._tables = pool.table_array(plan.tables, pool.pages_for(kv_len))
+        tables = pool.table_numpy(plan.tables, pool.pages_for(kv_len))
+        self._write_idx = mx.array(self._write_slots(tables), dtype=mx.int32)
+        self._tables = mx.array(tables)
         one = len(plan.tables) == 1
         self._run = one and contiguous_run(plan.tables[0], pool.pages_for(kv_len))
         self._masks: dict[tuple[int | None, int | None], mx.array] = {}
@@ -149,14 +150,21 @@ class _RaggedView:
         self.lengths = mx.array(plan.lengths, dtype=mx.int32) if padded else None
         self.fused = fused and t == 1
 
-    def _write_slots(self) -> np.ndarray:
+    def _write_slots(self, tables: np.ndarray) -> np.ndarray:
+        """Slot of every (row, query) position, row-major; padding to the scratch page.
+
+        NOTE: vectorised over the rows: a per-row loop cost 2.3 ms for a 256-row decode step on
+        this CPU, more than the GPU's whole step hides."""
         plan, page = self.plan, self.pool.page_size
-        scratch = self.pool.scratch_page * page + np.arange(plan.width) % page
-        rows = []
         for table, start, n in zip(plan.tables, plan.starts, plan.lengths, strict=True):
-            real = token_slots(table, start, n, page) if n else np.zeros(0, np.int64)
-            rows.append(np.concatenate([real, scratch[n:]]))
-        return np.concatenate(rows)
+            if n and len(table) * page < start + n:
+                raise RuntimeError(f"KV pages: a write past the page table ({start + n} tokens)")
+        t = np.arange(plan.width)[None]
+        pos = np.asarray(plan.starts)[:, None] + t
+        real = t < np.asarray(plan.lengths)[:, None]
+        index = np.where(real, pos // page, 0)
+        own = np.take_along_axis(tables, index, axis=1).astype(np.int64) * page + pos % page
+        return np.where(real, own, self.pool.scratch_page * page + t % page).reshape(-1)
 
     def fused_keys(self, window: int | None) -> PagedKeys | None:
         """A fused full-attention layer's keys: per-row counts, their host bound and the table."""
@@ -166,6 +174,11 @@ class _RaggedView:
 
     def write(self, buf: mx.array, new: mx.array) -> mx.array:
         r, h, t, d = new.shape
+        plan = self.plan
+        if self._run and plan.lengths == [t]:  # NOTE: one row, unpadded, pages in one run
+            s0 = plan.tables[0][0] * self.pool.page_size + plan.starts[0]
+            buf[:, s0 : s0 + t] = new[0]
+            return buf
         # NOTE: (R, kv_heads, T, dim) -> (kv_heads, R * T, dim), the shape of buf[:, idx].
         buf[:, self._write_idx] = new.transpose(1, 0, 2, 3).reshape(h, r * t, d)
         return buf
@@ -394,11 +407,12 @@ class KVPool:
 
     def table_array(self, tables: list[list[int]], width: int) -> mx.array:
         """`(R, width)` page ids, each table padded with the scratch page."""
-        out = np.full((len(tables), width), self.scratch_page, dtype=np.int32)
-        for i, table in enumerate(tables):
-            n = min(len(table), width)
-            out[i, :n] = table[:n]
-        return mx.array(out)
+        return mx.array(self.table_numpy(tables, width))
+
+    def table_numpy(self, tables: list[list[int]], width: int) -> np.ndarray:
+        pad = [self.scratch_page] * width
+        rows = [t[:width] if len(t) >= width else (t + pad)[:width] for t in tables]
+        return np.array(rows, dtype=np.int32).reshape(len(tables), width)
 
     def gather(
         self,

@@ -206,4 +206,4 @@ class SchedulerLoop:
         self.outbox.put(SchedulerExited())
         self.inbox.close()
         self.outbox.close()
-        log.info("scheduler loop exited")
+        log.info("scheduler loop exited; stats: %s", self.sched.stats())

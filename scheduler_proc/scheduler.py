@@ -24,6 +24,7 @@ from engine.memory import weights_bytes
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
+from scheduler_proc import decode_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # NOTE: a first-seen shape costs ~50-100 ms on a GPU; beyond this the rest compile when first seen.
 WARM_UP_DEADLINE_S = 120.0
+# NOTE: attention scores one prefill step may hold (elements; float32: 1 GiB), `_fit_scores`.
+PREFILL_SCORES_MAX = 1 << 28
 
 COUNTERS = (
     "steps_launched",  # fresh + chained, counted by prepare_launch only
@@ -71,6 +74,7 @@ class Scheduler:
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
+        self.heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.kv_plan = plan_kv(
             config,
             bytes_per_token([s for s in layout.kv if s.window is None]) or 1,
@@ -199,6 +203,8 @@ class Scheduler:
             "chunked_prefill_size": self.chunk,
             "max_prefill_tokens": self.prefill_budget,
             **self.step_times.stats(),
+            "decode_attention_fused_calls": decode_attention.counts.calls,
+            "decode_attention_masked_calls": decode_attention.counts.masked,
         }
 
     def shutdown(self) -> None:
@@ -394,7 +400,8 @@ class Scheduler:
         if not todo:
             return []
         if self.runner.uniform_prefill:
-            return self._chunks(_uniform_chunks(todo, self._natural_chunk, self.prefill_budget))
+            plan = _uniform_chunks(todo, self._natural_chunk, self.prefill_budget)
+            return self._chunks(self._fit_scores(plan))
 
         def rows(width: int) -> list[Req]:
             return todo[: max(1, self.prefill_budget // width)]
@@ -403,7 +410,27 @@ class Scheduler:
             return sum(min(_room(r), width) for r in rows(width)), -width
 
         width = max(self.ladders.widths, key=tokens)
-        return self._chunks([(req, min(_room(req), width)) for req in rows(width)])
+        plan = [(req, min(_room(req), width)) for req in rows(width)]
+        return self._chunks(self._fit_scores(plan))
+
+    def _fit_scores(self, plan: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+        """Fewer rows, then a narrower chunk, until the step's attention scores (rows x heads x
+        width x keys) fit `PREFILL_SCORES_MAX`.
+
+        NOTE: a prefill chunk's attention (with its mask) materialises its scores: 4 rows of
+        2048 tokens over 32k keys with 32 heads wanted 34 GB on an H200 beside the KV pool
+        (out of memory); long prompts' late chunks get narrower instead.
+        """
+        limit = PREFILL_SCORES_MAX // self.heads
+        while True:
+            width = max(n for _, n in plan)
+            keys = self.ladders.pad_kv(max(r.prefilled + n for r, n in plan))
+            if len(plan) * width * keys <= limit or (len(plan) == 1 and width <= 16):
+                return plan
+            if len(plan) > 1:
+                plan = plan[:-1]
+            else:
+                plan = [(plan[0][0], max(16, width // 2))]
 
     def _natural_chunk(self, req: Req) -> int:
         """A row's chunk in a step without padding: the most it may run, down to a ladder width

@@ -34,7 +34,8 @@ def padding_keeps_state(model, layout: Layout) -> bool:
 def _run(model, layout: Layout, tokens: list[list[int]], lengths: list[int]):
     rows, width = len(tokens), len(tokens[0])
     pool = KVPool(layout, pages=rows, page_size=width, slots=rows, context=width, chunk=width)
-    plan = StepRows(list(range(rows)), [[r] for r in range(rows)], [0] * rows, lengths, width)
+    # NOTE: page 0 is scratch: row r writes page r + 1.
+    plan = StepRows(list(range(rows)), [[r + 1] for r in range(rows)], [0] * rows, lengths, width)
     model(mx.array(tokens, dtype=mx.int32), cache=pool.ragged_view(plan, width))
     mx.eval(pool.state())
     return pool.states

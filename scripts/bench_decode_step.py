@@ -3,7 +3,10 @@
 Both sides hold B sequences of `--context` cached tokens and decode greedily; a step is the forward,
 the argmax and the host copy of the B tokens. mlx-lm's side is its fastest case: every row the same
 length, so one int offset and no mask. The engine runs its sync loop (no overlap, so the figure is
-the step's cost, not hidden behind the next one), and a ragged variant where row lengths differ.
+the step's cost, not hidden behind the next one) on its paged pool, each request's pages as the
+allocator hands them (the prompt's in one run, decode's a page at a time); a ragged variant where
+row lengths differ; and with `--shuffle-pages`, the pool's free pages shuffled first, so every
+row's keys are gathered from pages scattered across the pool.
 
   .venv/bin/python scripts/bench_decode_step.py --batch 64 --context 128          # CPU, default model
   python3 scripts/bench_decode_step.py --random llama-1b --batch 64 --context 600   # a GPU
@@ -17,6 +20,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_proc.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument(
+        "--shuffle-pages", action="store_true", help="also run with the free pages shuffled"
+    )
     return p.parse_args()
 
 
@@ -62,19 +72,20 @@ def mlx_lm_steps(model, prompts: list[list[int]], steps: int) -> list[float]:
     return times
 
 
-def engine_steps(model, eos, prompts: list[list[int]], steps: int) -> tuple[list[float], int]:
+def engine_steps(
+    model, eos, prompts: list[list[int]], steps: int, shuffle: bool = False
+) -> tuple[list[float], int]:
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
     from scheduler_proc.scheduler import Scheduler
 
-    # NOTE: rows as long as the run needs, so memory never holds fewer rows than the batch.
+    # NOTE: a context as long as the run needs, so the pages hold the whole batch to its end.
     ctx = max(len(p) for p in prompts) + steps + 16
     config = EngineConfig(
         max_running_requests=len(prompts), context_length=ctx, disable_overlap=True
     )
     sched = Scheduler(config, model, eos)
-    if sched.pool.rows < len(prompts):
-        raise SystemExit(f"memory holds {sched.pool.rows} rows, fewer than the batch")
+    hold_pages(sched, [len(p) + steps + 8 for p in prompts], shuffle)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         sched.submit(str(i), p, params)
@@ -92,6 +103,25 @@ def engine_steps(model, eos, prompts: list[list[int]], steps: int) -> tuple[list
     return times, shapes
 
 
+def hold_pages(sched: Scheduler, lengths: list[int], shuffle: bool) -> None:
+    """Every page the run needs allocated before it starts, the free list shuffled if asked.
+
+    NOTE: off CUDA the pool grows by doubling as tokens arrive; a doubling inside a timed step
+    would be measured as that step.
+    """
+    if sched.running.slots < len(lengths):
+        raise SystemExit(f"memory holds {sched.running.slots} requests, fewer than the batch")
+    need = sum(sched.pool.pages_for(n) for n in lengths)
+    if not sched.kv.room(need):
+        raise SystemExit(f"memory holds {sched.kv.pages.available} KV pages, {need} needed")
+    if shuffle:
+        # NOTE: every free page taken, then given back in random order: the free list's order.
+        pages = sched.kv.pages
+        ids = pages.alloc(pages.available)
+        random.Random(0).shuffle(ids)
+        pages.release(ids)
+
+
 def main() -> None:
     args = parse_args()
     from engine.cpu_backend import setup_cpu_backend
@@ -107,11 +137,15 @@ def main() -> None:
     print(f"{info.describe()} | {mx.default_device()} | B={args.batch} context={args.context}")
     mlx_lm_steps(model, same[:2], 2)  # warm kernels for both
     ref = statistics.median(mlx_lm_steps(model, same, args.steps))
-    ours, shapes = engine_steps(model, eos, same, args.steps)
-    ours_ragged, _ = engine_steps(model, eos, ragged, args.steps)
-    ours, ours_ragged = statistics.median(ours), statistics.median(ours_ragged)
+    times, shapes = engine_steps(model, eos, same, args.steps)
+    ours = statistics.median(times)
+    ours_ragged = statistics.median(engine_steps(model, eos, ragged, args.steps)[0])
+    shuffled = ""
+    if args.shuffle_pages:
+        mixed = statistics.median(engine_steps(model, eos, same, args.steps, shuffle=True)[0])
+        shuffled = f" | engine, shuffled pages {mixed * 1e3:.2f}"
     print(f"decode step ms: mlx-lm KVCache {ref * 1e3:.2f} | engine {ours * 1e3:.2f} "
-          f"(ratio {ours / ref:.2f}) | engine, ragged rows {ours_ragged * 1e3:.2f} "
+          f"(ratio {ours / ref:.2f}) | engine, ragged rows {ours_ragged * 1e3:.2f}{shuffled} "
           f"| new shapes {shapes}")  # fmt: skip
 
 

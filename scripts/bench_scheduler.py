@@ -7,8 +7,10 @@ One run, one model, one workload for every engine, so the printed ratios compare
   - a staggered-arrival variant (requests arrive at a fixed rate while others decode),
   - single-request decode tok/s against mlx_lm.generate.generate_step,
   - what a short prompt costs with the launch-default KV pool and with a small one.
-The engine runs the launch defaults (its KV pool sized by EngineConfig, as `mlx-engine launch`
-does), with --max-running-requests set to the concurrency, as BatchGenerator's batch size is.
+The engine runs the launch defaults (EngineConfig, as `mlx-engine launch` builds it: its KV pages
+and --max-running-requests from the budget) unless `--max-running-requests` is given; at a given
+concurrency the driver keeps at most that many requests in the engine (the rest wait on the client
+side), as BatchGenerator's batch size does.
 Workload: prompt lengths uniform in [32, 1024], max_tokens uniform in
 [32, 256], ignore_eos, fixed seed. `--max-prompt` / `--max-tokens` / `--num-requests` shrink it.
 
@@ -24,10 +26,15 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from scheduler_proc.scheduler import Scheduler
 
 
 @dataclass
@@ -35,6 +42,20 @@ class Workload:
     prompts: list[list[int]]
     max_tokens: list[int]
     arrivals: list[float]  # seconds after start (staggered variant)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The engine under test: its model and the launch-like config every scheduler starts from."""
+
+    model: Any
+    eos: Any
+    config: EngineConfig
+
+    def scheduler(self, **changes: Any) -> Scheduler:
+        from scheduler_proc.scheduler import Scheduler
+
+        return Scheduler(replace(self.config, **changes), self.model, self.eos)
 
 
 @dataclass
@@ -74,6 +95,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--blas", default="auto", help="auto | reference | path (engine.cpu_backend)")
     p.add_argument("--dequantize", default="auto", help="auto | on | off (engine.cpu_dequantize)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=0,
+        help="the engine's; 0: from the KV budget, as `mlx-engine launch` defaults to",
+    )
     p.add_argument("--skip", default="", help="comma list of: closed, stagger, single, prompt")
     return p.parse_args()
 
@@ -90,24 +117,25 @@ def make_workload(args: argparse.Namespace, vocab: int, interval: float, salt: i
 
 
 # -- engines ----------------------------------------------------------------------------------
-def new_scheduler(model, eos, concurrency: int):
-    from engine.config import EngineConfig
-    from scheduler_proc.scheduler import Scheduler
-
-    return Scheduler(EngineConfig(max_running_requests=concurrency), model, eos)
-
-
-def run_ours(model, eos, wl: Workload, concurrency: int, staggered: bool, sched=None) -> Result:
+def run_ours(
+    eng: Engine, wl: Workload, concurrency: int, staggered: bool, sched: Scheduler | None = None
+) -> Result:
     from engine.sampling_params import SamplingParams
 
     own = sched is None
-    sched = sched or new_scheduler(model, eos, concurrency)
+    sched = sched or eng.scheduler()
     first: dict[str, float] = {}
-    submitted, total, n = 0, 0, len(wl.prompts)
+    submitted, done, total, n = 0, 0, 0, len(wl.prompts)
     start = time.perf_counter()
     while submitted < n or sched.has_work():
         now = time.perf_counter() - start
-        while submitted < n and (not staggered or wl.arrivals[submitted] <= now):
+        # NOTE: at most `concurrency` requests in the engine, as in BatchGenerator's batch: the
+        # engine's own limit is the launch default's, not the concurrency.
+        while (
+            submitted < n
+            and submitted - done < concurrency
+            and (not staggered or wl.arrivals[submitted] <= now)
+        ):
             params = SamplingParams(
                 max_tokens=wl.max_tokens[submitted], temperature=0.0, ignore_eos=True
             )
@@ -119,6 +147,7 @@ def run_ours(model, eos, wl: Workload, concurrency: int, staggered: bool, sched=
         for out in sched.step():
             total += len(out.token_ids)
             first.setdefault(out.rid, time.perf_counter() - start)
+            done += out.finish_reason is not None
     seconds = time.perf_counter() - start
     stats = sched.stats()
     shapes = int(stats["shapes_seen"] - stats["shapes_warmed"])
@@ -181,12 +210,10 @@ def single_stream_mlx_lm(model, prompt: list[int], n: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def single_stream_ours(model, eos, prompt: list[int], n: int) -> float:
-    from engine.config import EngineConfig
+def single_stream_ours(eng: Engine, prompt: list[int], n: int) -> float:
     from engine.sampling_params import SamplingParams
-    from scheduler_proc.scheduler import Scheduler
 
-    sched = Scheduler(EngineConfig(max_running_requests=1), model, eos)
+    sched = eng.scheduler()
     sched.submit("s", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     times = []
     while sched.has_work():
@@ -197,19 +224,21 @@ def single_stream_ours(model, eos, prompt: list[int], n: int) -> float:
 
 
 # -- report -----------------------------------------------------------------------------------
-def closed_loop(model, eos, wl: Workload, concurrencies: list[int], again: Workload) -> None:
+def closed_loop(eng: Engine, wl: Workload, concurrencies: list[int], again: Workload) -> None:
     """Cold: the first pass after start; warm: a second pass with other prompts of the same
     lengths (the same prompts again would be prefix-cache hits, which BatchGenerator lacks)."""
-    print("\n== closed loop: all requests queued at t=0 (generated tok/s; TTFT p50 s) ==")
+    print("\n== closed loop: all requests queued at t=0, `conc` at a time in each engine "
+          "(generated tok/s; TTFT p50 s) ==")  # fmt: skip
     print(f"{'conc':>5} {'pass':>5} {'ours':>9} {'BatchGen':>9} {'ratio':>6} "
           f"{'ttft50 ours':>12} {'ttft50 BG':>10} {'new shapes':>10}")  # fmt: skip
     for c in concurrencies:
-        sched, gen = new_scheduler(model, eos, c), new_batch_generator(model, wl, c)
+        sched, gen = eng.scheduler(), new_batch_generator(eng.model, wl, c)
         stats = sched.stats()
-        print(f"      engine warm-up {stats['warm_up_s']:.1f} s, {stats['shapes_warmed']} shapes")
+        print(f"      engine warm-up {stats['warm_up_s']:.1f} s, {stats['shapes_warmed']} shapes, "
+              f"max running requests {stats['kv_slots_total']}")  # fmt: skip
         for label, w in (("cold", wl), ("warm", again)):
-            ours = run_ours(model, eos, w, c, staggered=False, sched=sched)
-            bg = run_batch_generator(model, w, c, staggered=False, gen=gen)
+            ours = run_ours(eng, w, c, staggered=False, sched=sched)
+            bg = run_batch_generator(eng.model, w, c, staggered=False, gen=gen)
             print(
                 f"{c:>5} {label:>5} {ours.tok_s:>9.1f} {bg.tok_s:>9.1f} "
                 f"{ours.tok_s / bg.tok_s:>6.2f} {ours.ttft_p50():>12.2f} {bg.ttft_p50():>10.2f}"
@@ -220,18 +249,16 @@ def closed_loop(model, eos, wl: Workload, concurrencies: list[int], again: Workl
         gen.close()
 
 
-def prompt_cost(model, eos) -> None:
+def prompt_cost(eng: Engine) -> None:
     """A step's cost must not depend on the pool: a short prompt, default pool vs a small one."""
-    from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
-    from scheduler_proc.scheduler import Scheduler
 
     print("\n== one prompt, max_tokens=1 (seconds): launch-default KV pool vs a small pool ==")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for label, config in (("default", EngineConfig()), ("small", EngineConfig(
-        max_total_tokens=8192, context_length=1024))):  # fmt: skip
-        sched = Scheduler(config, model, eos)
-        times = {}
+    small = dict(max_total_tokens=8192, context_length=1024)
+    for label, changes in (("default", {}), ("small", small)):
+        sched = eng.scheduler(**changes)
+        times: dict[int, float] = {}
         for n in (1, 40, 1, 40):  # NOTE: the second of each is the figure (first runs warm up)
             sched.submit(f"p{len(times)}-{n}", list(range(1, n + 1)), params)
             t = time.perf_counter()
@@ -244,19 +271,19 @@ def prompt_cost(model, eos) -> None:
         sched.shutdown()
 
 
-def staggered(model, eos, wl: Workload, concurrency: int) -> None:
+def staggered(eng: Engine, wl: Workload, concurrency: int) -> None:
     print(f"\n== staggered arrivals every {wl.arrivals[1] if len(wl.arrivals) > 1 else 0:.2f}s, "
           f"concurrency {concurrency} ==")  # fmt: skip
-    ours = run_ours(model, eos, wl, concurrency, staggered=True)
-    bg = run_batch_generator(model, wl, concurrency, staggered=True)
+    ours = run_ours(eng, wl, concurrency, staggered=True)
+    bg = run_batch_generator(eng.model, wl, concurrency, staggered=True)
     print(f"ours {ours.tok_s:.1f} tok/s ttft50 {ours.ttft_p50():.2f}s | BatchGenerator "
           f"{bg.tok_s:.1f} tok/s ttft50 {bg.ttft_p50():.2f}s | ratio {ours.tok_s / bg.tok_s:.2f}")  # fmt: skip
 
 
-def single(model, eos, prompt: list[int], n: int) -> None:
+def single(eng: Engine, prompt: list[int], n: int) -> None:
     print(f"\n== single stream, prompt {len(prompt)}, {n} tokens (decode tok/s) ==")
-    ref = single_stream_mlx_lm(model, prompt, n)
-    ours = single_stream_ours(model, eos, prompt, n)
+    ref = single_stream_mlx_lm(eng.model, prompt, n)
+    ours = single_stream_ours(eng, prompt, n)
     print(f"ours {ours:.2f} | mlx-lm generate_step {ref:.2f} | ratio {ours / ref:.2f}")
 
 
@@ -265,39 +292,45 @@ def main() -> None:
     from engine.config import EngineConfig
     from engine.cpu_backend import setup_cpu_backend
 
-    config = EngineConfig(cpu_blas=args.blas, cpu_dequantize=args.dequantize)
+    config = EngineConfig(
+        cpu_blas=args.blas,
+        cpu_dequantize=args.dequantize,
+        max_running_requests=args.max_running_requests,
+    ).validate()
     info = setup_cpu_backend(config, log_line=False)
     from engine.random_model import random_model_dir
-    from scheduler_proc.kv_cache import probe_model
+    from scheduler_proc.kv_layout import probe_model
     from scheduler_proc.model_loader import load_for_scheduler
 
     path = str(random_model_dir(args.random)) if args.random else args.model
     model, eos = load_for_scheduler(path, config)
+    eng = Engine(model, eos, config)
     vocab = probe_model(model)[1]
     skip = set(args.skip.split(","))
     print(
         info.describe(),
         f"| model {args.random or args.model or 'default SmolLM2-135M'} | vocab {vocab}",
+        f"| engine --max-running-requests {args.max_running_requests or 'auto'}",
     )
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wl = make_workload(args, vocab, 0.0)
     warm = Workload(wl.prompts[:2], [4, 4], [0.0, 0.0])
-    run_ours(model, eos, warm, 2, False), run_batch_generator(model, warm, 2, False)
+    run_ours(eng, warm, 2, False), run_batch_generator(model, warm, 2, False)
     if "prompt" not in skip:
-        prompt_cost(model, eos)
+        prompt_cost(eng)
     if "single" not in skip:
-        single(model, eos, wl.prompts[0][: args.max_prompt], args.single_tokens)
+        single(eng, wl.prompts[0][: args.max_prompt], args.single_tokens)
     if "closed" not in skip:
-        closed_loop(model, eos, wl, concurrencies, make_workload(args, vocab, 0.0, salt=1))
+        closed_loop(eng, wl, concurrencies, make_workload(args, vocab, 0.0, salt=1))
     if "stagger" not in skip:
-        interval = args.stagger_interval or _auto_interval(model, eos, wl, args.stagger_concurrency)
-        staggered(model, eos, make_workload(args, vocab, interval), args.stagger_concurrency)
+        interval = args.stagger_interval or _auto_interval(eng, wl, args.stagger_concurrency)
+        staggered(eng, make_workload(args, vocab, interval), args.stagger_concurrency)
 
 
-def _auto_interval(model, eos, wl: Workload, concurrency: int) -> float:
+def _auto_interval(eng: Engine, wl: Workload, concurrency: int) -> float:
     """An arrival interval that keeps about `concurrency` requests in flight."""
     probe = Workload(wl.prompts[:concurrency], wl.max_tokens[:concurrency], [0.0] * concurrency)
-    r = run_ours(model, eos, probe, concurrency, staggered=False)
+    r = run_ours(eng, probe, concurrency, staggered=False)
     return r.seconds / concurrency
 
 

@@ -161,3 +161,28 @@ def test_defaults_are_the_models_context_and_what_memory_holds(llama):
     assert small.kv_plan.slots == 5
     tiny = Scheduler(EngineConfig(max_total_tokens=1000), llama, ())
     assert tiny.kv_plan.context <= tiny.kv_plan.tokens and "cut to" in tiny.kv_plan.describe()
+
+
+def test_long_prompts_take_narrower_chunks_as_their_keys_grow(llama, monkeypatch):
+    """A prefill step's attention scores stay within PREFILL_SCORES_MAX: fewer rows, then
+    narrower chunks, as a long prompt's keys grow; every token as mlx-lm's."""
+    import scheduler_proc.scheduler as scheduler_mod
+
+    heads = llama.args.num_attention_heads
+    limit = 64 * 256  # NOTE: per head: 64 queries over 256 keys
+    monkeypatch.setattr(scheduler_mod, "PREFILL_SCORES_MAX", limit * heads)
+    rng = random.Random(11)
+    reqs = [(f"r{i}", random_prompt(rng, n), 4, 0) for i, n in enumerate([700, 90, 300])]
+    sched = make_scheduler(llama, chunked_prefill_size=256, max_prefill_tokens=512)
+    widths: list[int] = []
+
+    def on_launch(batch) -> None:
+        if batch.chunks:
+            width = max(c.end - c.start for c in batch.chunks)
+            keys = max(c.end for c in batch.chunks)
+            assert len(batch.chunks) * width * keys <= limit or width <= 16
+            widths.append(width)
+
+    sched.on_launch = on_launch
+    _parity(sched, llama, reqs)
+    assert max(widths) >= 64 and min(widths) <= 32, widths
