@@ -36,7 +36,8 @@ class Batch:
     step_index: int = -1  # stamped by prepare_launch
     launch_ts: float | None = None  # stamped by prepare_launch, before graph building
     decode_out: Sampled | None = None
-    new_shape: tuple[int, ...] | None = None  # its shape, when first seen after warm-up
+    shape: tuple[int, ...] = ()  # its forward's (rows, width, keys), set by the runner
+    new_shape: bool = False  # a shape first seen after warm-up
 
     @property
     def rows(self) -> list[Req]:

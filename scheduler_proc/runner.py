@@ -167,11 +167,13 @@ class Runner:
         fused = tokens.shape[1] == 1 and self.fused_decode and kv_len > 0
         keys = -1 if fused and not self._windows else kv_len
         shape = (*tokens.shape, keys)
+        if batch is not None:
+            batch.shape = shape
         if shape not in self.shapes_seen:
             self.shapes_seen.add(shape)
             # NOTE: exact shapes (CPU) are new all the time and cost nothing to build.
             if self.warmed and batch is not None and not self.ladders.exact:
-                batch.new_shape = shape
+                batch.new_shape = True
         return self.model(tokens, cache=cache)
 
     # -- warm-up -------------------------------------------------------------------------------

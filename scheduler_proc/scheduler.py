@@ -310,6 +310,7 @@ class Scheduler:
         self.prepare_launch(batch)
         inputs = self.runner.decode_inputs(batch) if batch.rows else None
         self.runner.launch(batch, inputs)
+        self.step_times.launched(batch)
 
     def _launch_chained(self, prev: Batch) -> Batch:
         out, sampler = prev.decode_out, prev.sampler
@@ -399,6 +400,9 @@ class Scheduler:
         todo = [r for r in self.running.prefilling() if _body_left(r) > 0]
         if not todo:
             return []
+        # NOTE: prompts whose rest fits one chunk first (in arrival order), then longer ones: 4
+        # prompts of 30k tokens ahead of 64 chats on an H200 held the chats' first tokens 27 s.
+        todo.sort(key=lambda r: _room(r) > self.chunk)
         if self.runner.uniform_prefill:
             plan = _uniform_chunks(todo, self._natural_chunk, self.prefill_budget)
             return self._chunks(self._fit_scores(plan))

@@ -1,8 +1,9 @@
 """How long steps take, by kind, and the ones that stand out (logged with their shape).
 
-A step's time is what the host waited for its tokens once it was free to wait: from its launch,
-or from the previous step's tokens when it was queued behind them (overlap). Prefill steps have no
-tokens to wait for; their time shows in the decode step after them. A step over `SLOW_FACTOR`
+A decode step's time is what the host waited for its tokens once it was free to wait: from its
+launch, or from the previous step's tokens when it was queued behind them (overlap). Prefill steps
+have no tokens to wait for; their time shows in the decode step after them (counted from the first
+of them, kept out of the medians, and named in its log line). A step over `SLOW_FACTOR`
 times the median of its kind, or one whose shape was first seen after warm-up, gets a log line:
 that is how a shape warm-up missed shows itself (a GPU compiles it, seconds on first use).
 """
@@ -27,40 +28,53 @@ class StepTimes:
         self._times: dict[str, deque[float]] = {}
         self._window = window
         self._free_since = 0.0
+        self._prefills: list[Batch] = []  # launched since the last decode step's tokens
         self.slow_steps = 0
         self.new_shapes = 0
         self.worst_s = 0.0
 
+    def launched(self, batch: Batch) -> None:
+        """A prefill step went to the device: its time shows in the next decode step's."""
+        if batch.is_prefill:
+            self._prefills.append(batch)
+            self.new_shapes += batch.new_shape
+
     def add(self, batch: Batch, now: float) -> None:
+        """A decode step's tokens reached the host."""
         assert batch.launch_ts is not None
-        dt = now - max(batch.launch_ts, self._free_since)
+        before, self._prefills = self._prefills, []
+        start = before[0].launch_ts if before else batch.launch_ts
+        dt = now - max(start or 0.0, self._free_since)
         self._free_since = now
         kind = "chained" if batch.chained else ("joined" if batch.joined else "decode")
         times = self._times.setdefault(kind, deque(maxlen=self._window))
         self.worst_s = max(self.worst_s, dt)
-        if batch.new_shape:
-            self.new_shapes += 1
-            ms = dt * 1e3
+        self.new_shapes += batch.new_shape
+        new = [b.shape for b in (*before, batch) if b.new_shape]
+        if new:
             log.info(
-                "step %d: shape %s first seen after warm-up: %.0f ms",
+                "step %d: %.0f ms with shapes first seen after warm-up %s (%s)",
                 batch.step_index,
-                batch.new_shape,
-                ms,
+                dt * 1e3,
+                new,
+                _after(before),
             )
         elif dt > _MIN_SLOW_S and len(times) >= _MIN_SAMPLES:
             median = statistics.median(times)
             if dt > SLOW_FACTOR * median:
                 self.slow_steps += 1
                 log.warning(
-                    "step %d (%s, %d rows) took %.0f ms, %.0fx the median %s step",
+                    "step %d (%s, %d rows) took %.0f ms, %.0fx the median %s step (%s)",
                     batch.step_index,
                     kind,
                     len(batch.rows),
                     dt * 1e3,
                     dt / median,
                     kind,
+                    _after(before),
                 )
-        times.append(dt)
+        if not before:
+            times.append(dt)
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {
@@ -72,3 +86,10 @@ class StepTimes:
             if times:
                 out[f"step_median_{kind}_s"] = round(statistics.median(times), 5)
         return out
+
+
+def _after(prefills: list[Batch]) -> str:
+    if not prefills:
+        return "no prefill step before it"
+    shapes = ", ".join(str(b.shape) for b in prefills[:4]) + ", ..." * (len(prefills) > 4)
+    return f"after {len(prefills)} prefill steps: {shapes}"

@@ -186,3 +186,27 @@ def test_long_prompts_take_narrower_chunks_as_their_keys_grow(llama, monkeypatch
     sched.on_launch = on_launch
     _parity(sched, llama, reqs)
     assert max(widths) >= 64 and min(widths) <= 32, widths
+
+
+def test_short_prompts_are_not_held_behind_a_long_one(llama):
+    """Long prompts being prefilled in many chunks do not hold back the first tokens of short
+    prompts that arrive after them."""
+    rng = random.Random(12)
+    reqs = [(f"long{i}", random_prompt(rng, 800), 2, 0) for i in range(4)]
+    reqs += [(f"chat{i}", random_prompt(rng, 20), 2, 2) for i in range(4)]
+    sched = make_scheduler(llama, chunked_prefill_size=64, max_prefill_tokens=128)
+    first: dict[str, int] = {}
+    arrivals: dict = {}
+    for rid, prompt, n, at in reqs:
+        arrivals.setdefault(at, []).append((rid, prompt, greedy(n)))
+    step = 0
+    while step <= 2 or sched.has_work():
+        for rid, ids, params in arrivals.get(step, []):
+            sched.submit(rid, ids, params)
+        for out in sched.step():
+            if out.token_ids:
+                first.setdefault(out.rid, step)
+        step += 1
+    assert (
+        max(first[f"chat{i}"] for i in range(4)) < min(first[f"long{i}"] for i in range(4)) / 4
+    ), first
