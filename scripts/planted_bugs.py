@@ -1,17 +1,29 @@
 #!/usr/bin/env python3
 """Plant known KV-cache bugs one at a time in a copy of the tree and check the suite catches each.
 
-    .venv/bin/python scripts/planted_bugs.py [--tests tests/test_x.py ...]
+    .venv/bin/python scripts/planted_bugs.py [--tests tests/test_x.py ...] [--bugs WORD ...]
+                                             [--timeout S] [--no-baseline] [--list]
 
 Each bug is a one-line edit of the scheduler's code (a mask off by one, a wrong RoPE offset, a
-prefix whose KV is never loaded, a row copy skipped, ...). A bug the tests do not catch is a hole
-in the suite: the script exits non-zero and names it. See docs/testing.md.
+page table off by one, a page freed while shared, a partly filled page not copied, ...). Before
+anything runs, every bug's `old` text must occur exactly once in its file: a stale one (the code
+moved) stops the script, named. Then the suite runs once on the unplanted copy (it must pass,
+or every bug would look caught), and once per bug under a timeout (`--timeout`, default the
+larger of 600 s and twice the clean run). Per bug it reports caught (and the first failing test),
+HANG (the run was killed at the timeout, or a test hit its deadline in tests/conftest.py: some
+test lacks a bound) or MISSED (a hole in the suite). See docs/testing.md.
+
+Exit status: 0 every bug caught; 1 a bug missed; 2 none missed but a run hung; 3 a stale or
+broken bug, or the clean tree fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,15 +32,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# NOTE: the model-family tests first: most bugs fail there within seconds (pytest -x).
+# NOTE: fail fast (pytest -x): the page-level model test first (pure Python, seconds), then the
+# model-family tests, where most bugs fail within seconds; the paged scheduler's tests last.
 DEFAULT_TESTS = (
+    "tests/test_kv_pages.py",
     "tests/test_model_families.py",
     "tests/test_context_sensitive.py",
     "tests/test_scheduler_parity.py",
     "tests/test_decode_attention.py",
     "tests/test_prefix_cache_parity.py",
     "tests/test_scheduler_lifecycle.py",
+    "tests/test_paged_scheduler.py",
 )
+MIN_TIMEOUT_S = 600.0
+DEADLINE_TEXT = "the test ran past its deadline"  # tests/conftest.py `_timed_out`
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,7 @@ class Bug:
 
 
 BUGS = (
+    # -- masks, positions, reads ----------------------------------------------------------------
     Bug(
         "attention mask off by one (a query sees the next key)",
         "scheduler_proc/kv_cache.py",
@@ -55,33 +73,97 @@ BUGS = (
     Bug(
         "single-row decode reads one key too few",
         "scheduler_proc/kv_cache.py",
-        "        end = self.offset + n\n        if ring is not None:\n",
-        "        end = self.offset + n - 1\n        if ring is not None:\n",
+        "return self.pool.gather([self.table], self.offset + n, buf, run=self._run)",
+        "return self.pool.gather([self.table], self.offset + n - 1, buf, run=self._run)",
     ),
     Bug(
-        "KV written one position late",
+        "KV written one position late (batched writes)",
         "scheduler_proc/kv_cache.py",
-        "pos.append([start + t for t in range(n)]",
-        "pos.append([start + t + 1 for t in range(n)]",
+        "pos = np.asarray(plan.starts)[:, None] + t\n",
+        "pos = np.asarray(plan.starts)[:, None] + t + 1\n",
     ),
+    # -- page tables ----------------------------------------------------------------------------
     Bug(
-        "padding written to the request's own row, not the scratch row",
+        "page table off by one: a batched write takes the next entry of its table",
         "scheduler_proc/kv_cache.py",
-        "rows.append([row] * n + [scratch] * (self.width - n))",
-        "rows.append([row] * self.width)",
+        "index = np.where(real, pos // page, 0)",
+        "index = np.where(real, pos // page + 1, 0)",
     ),
     Bug(
-        "prefix KV not loaded into the row",
-        "scheduler_proc/prefix_store.py",
-        "        pool.load_prefix(row, kv)\n",
-        "        pass\n",
-    ),
-    Bug(
-        "row copy skipped when a row moves",
+        "page table off by one: token_slots maps a position into the next page",
         "scheduler_proc/kv_cache.py",
-        "        if src == dst:\n            return\n",
-        "        return\n",
+        "return np.asarray(table, dtype=np.int64)[pos // page] * page + pos % page",
+        "return (np.asarray(table, dtype=np.int64)[pos // page] + 1) * page + pos % page",
     ),
+    Bug(
+        "contiguous-run check compares only the endpoints of a page table",
+        "scheduler_proc/kv_cache.py",
+        "return table[:n_pages] == list(range(first, first + n_pages))",
+        "return table[n_pages - 1] - table[0] == n_pages - 1",
+    ),
+    Bug(
+        "padding written to the request's own page, not the scratch page",
+        "scheduler_proc/kv_cache.py",
+        "return np.where(real, own, self.pool.scratch_page * page + t % page).reshape(-1)",
+        "return own.reshape(-1)",
+    ),
+    Bug(
+        "padding written to the request's own ring slot, not the scratch slot",
+        "scheduler_proc/kv_cache.py",
+        "rows.append([slot] * n + [scratch] * (plan.width - n))",
+        "rows.append([slot] * plan.width)",
+    ),
+    # -- pages: sharing, copying, freeing -------------------------------------------------------
+    Bug(
+        "a page freed while shared (decref frees at one reference left)",
+        "scheduler_proc/pages.py",
+        "        if self._refs[page] == 0:\n            self._free.append(page)",
+        "        if self._refs[page] <= 1:\n            self._free.append(page)",
+    ),
+    Bug(
+        "a page freed while shared (a prefix hit's whole page not increfed)",
+        "scheduler_proc/kv_manager.py",
+        "                self.pages.incref(block)\n",
+        "",
+    ),
+    Bug(
+        "a prefix hit's shared page: the next page's id in the table (cached KV not used)",
+        "scheduler_proc/kv_manager.py",
+        "                table.append(block)\n",
+        "                table.append(block + 1)\n",
+    ),
+    Bug(
+        "the partly filled page of a prefix hit not copied",
+        "scheduler_proc/kv_manager.py",
+        "        self.pool.copy_tokens(src, dst)\n",
+        "",
+    ),
+    # -- admission and preemption ---------------------------------------------------------------
+    Bug(
+        "admission ignores the decode reserve (KVManager.admit)",
+        "scheduler_proc/kv_manager.py",
+        "if not self.room(total - shared + reserve):",
+        "if not self.room(total - shared):",
+    ),
+    Bug(
+        "admission ignores the decode reserve (the scheduler passes none)",
+        "scheduler_proc/scheduler.py",
+        "admitted = self.kv.admit(req, reserve=self.running.n_decode)",
+        "admitted = self.kv.admit(req, reserve=0)",
+    ),
+    Bug(
+        "a preempted request recomputes its last token twice",
+        "scheduler_proc/request.py",
+        "self.fill = self.input_ids + self.output_ids\n",
+        "self.fill = self.input_ids + self.output_ids + self.output_ids[-1:]\n",
+    ),
+    Bug(
+        "a preempted request's stream re-sends the tokens it already had",
+        "scheduler_proc/request.py",
+        "        self.preemptions += 1\n",
+        "        self.preemptions += 1\n        self.new_ids = list(self.output_ids)\n",
+    ),
+    # -- windows, rings, recurrent state, snapshots ---------------------------------------------
     Bug(
         "sliding-window layers attend to every key (window dropped from the ragged mask)",
         "scheduler_proc/kv_cache.py",
@@ -89,34 +171,40 @@ BUGS = (
         "ragged_mask(self.offset, self._t, self.length, None)",
     ),
     Bug(
-        "a lone decode row reads every key of a window layer",
+        "a lone decode row sees its whole ring (no window mask until the ring is full)",
         "scheduler_proc/kv_cache.py",
-        "start = max(0, end - window) if window is not None and n == 1 else 0",
-        "start = 0",
+        "if window_size is None or end <= window_size:",
+        "if window_size is None or end <= ring:",
     ),
     Bug(
         "a window layer's ring mask shows ring entries never written (negative positions)",
         "scheduler_proc/kv_cache.py",
-        "    visible = (p >= 0) & (p <= q) & (p > q - window)",
-        "    visible = (p <= q) & (p > q - window)",
+        "    visible = (p >= 0) & (p <= q)\n",
+        "    visible = p <= q\n",
     ),
     Bug(
-        "a prefix hit is not cut back to where its whole window is stored",
+        "recurrent state not zeroed when a request takes a slot",
+        "scheduler_proc/kv_manager.py",
+        "            self.pool.reset_slot(req.slot)\n",
+        "            pass\n",
+    ),
+    Bug(
+        "a prefix hit is not cut back to a slot snapshot's boundary",
         "scheduler_proc/prefix_cache.py",
-        "        if self.window is None:\n            return n\n",
-        "        return n\n",
+        "n = m.length if boundary is None else boundary(m.length)",
+        "n = m.length",
     ),
     Bug(
-        "recurrent state not zeroed when a request takes a row",
-        "scheduler_proc/kv_cache.py",
-        "        self.reset_states(row)\n",
-        "",
+        "a prefix hit's slot snapshot not restored (the slot zeroed instead)",
+        "scheduler_proc/kv_manager.py",
+        "self.snapshots.restore(req.slot, req.fill_ids[:n])",
+        "self.pool.reset_slot(req.slot)",
     ),
     Bug(
-        "a moved row with no tokens yet leaves its recurrent state behind",
-        "scheduler_proc/kv_cache.py",
-        "        if src == dst:\n            return\n",
-        "        if src == dst or length <= 0:\n            return\n",
+        "a slot snapshot restored into the next slot",
+        "scheduler_proc/snapshots.py",
+        "self.pool.write_slot(slot, self._store[key][1])",
+        "self.pool.write_slot(slot + 1, self._store[key][1])",
     ),
     Bug(
         "padded prefill chunks for a model whose state absorbs padding",
@@ -124,11 +212,12 @@ BUGS = (
         "self.uniform_prefill = not padding_keeps_state(model, pool.layout)",
         "self.uniform_prefill = False",
     ),
+    # -- fused decode ---------------------------------------------------------------------------
     Bug(
         "fused decode: each row's newest key left out of its length",
         "scheduler_proc/kv_cache.py",
-        "return (self._ends, self.length) if self.fused",
-        "return (self._ends - 1, self.length) if self.fused",
+        "return PagedKeys(self._ends, self.length, self._tables, self.pool.page_size)",
+        "return PagedKeys(self._ends - 1, self.length, self._tables, self.pool.page_size)",
     ),
     Bug(
         "fused decode's masked twin lets each row see one key past its end",
@@ -136,12 +225,7 @@ BUGS = (
         "mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None]",
         "mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None] + 1",
     ),
-    Bug(
-        "a prefill step gathers its rows whole before slicing their keys",
-        "scheduler_proc/kv_cache.py",
-        "return buf[:, :, :keys][self._read_rows]",
-        "return buf[self._read_rows][:, :, :keys]",
-    ),
+    # -- chunking -------------------------------------------------------------------------------
     Bug(
         "prefill chunk starts at 0 instead of the cached length",
         "scheduler_proc/scheduler.py",
@@ -151,12 +235,39 @@ BUGS = (
 )
 
 
+@dataclass(frozen=True)
+class Result:
+    outcome: str  # "caught", "HANG" or "MISSED"
+    seconds: float
+    detail: str  # the first failing test, or why it hung
+
+
+def check_bugs(root: Path) -> list[str]:
+    """What is wrong with the bug list against the tree at `root`: stale or ambiguous `old`
+    texts, bugs that change nothing, duplicate names."""
+    problems = []
+    names = [b.name for b in BUGS]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"{name!r}: two bugs of this name")
+    for bug in BUGS:
+        path = root / bug.path
+        if bug.old == bug.new:
+            problems.append(f"{bug.name!r}: `new` is `old`, nothing planted")
+        if not path.is_file():
+            problems.append(f"{bug.name!r}: {bug.path} does not exist")
+            continue
+        n = path.read_text().count(bug.old)
+        if n != 1:
+            problems.append(f"{bug.name!r}: its `old` text occurs {n} times in {bug.path}, not once")
+    return problems
+
+
 def _copy_tree(dst: Path) -> None:
     files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"],
         cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    for name in files:
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, files):
         src = ROOT / name
         if src.is_file():
             (dst / name).parent.mkdir(parents=True, exist_ok=True)
@@ -168,31 +279,118 @@ def _plant(tree: Path, bug: Bug) -> None:
     text = path.read_text()
     if text.count(bug.old) != 1:
         raise SystemExit(f"cannot plant {bug.name!r}: the line is not in {bug.path} exactly once")
-    path.write_text(text.replace(bug.old, bug.new))
+    planted = text.replace(bug.old, bug.new)
+    try:  # NOTE: a planted syntax error would fail every test: "caught", and meaningless
+        compile(planted, str(path), "exec")
+    except SyntaxError as e:
+        raise SystemExit(f"cannot plant {bug.name!r}: {bug.path} no longer compiles: {e}") from e
+    path.write_text(planted)
 
 
-def _caught(tree: Path, tests: list[str]) -> bool:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-    return subprocess.run(cmd, cwd=tree, capture_output=True).returncode != 0
+def _imports_from(tree: Path) -> None:
+    """The copy's own code is what the tests import (not the editable install's /work tree)."""
+    probe = "import scheduler_proc.kv_cache as m; print(m.__file__)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tree, capture_output=True, text=True, timeout=120
+    )
+    where = Path(out.stdout.strip() or "?").resolve()
+    if not where.is_relative_to(tree.resolve()):
+        raise SystemExit(f"the copied tree imports scheduler_proc from {where}, not from {tree}")
+
+
+def _first_failure(output: str) -> str:
+    for line in output.splitlines():
+        m = re.match(r"(FAILED|ERROR) (\S+)", line)
+        if m:
+            return f"{m.group(1)} {m.group(2)}"
+    tail = [line for line in output.splitlines() if line.strip()]
+    return tail[-1] if tail else "no output"
+
+
+def run_tests(tree: Path, tests: list[str], timeout: float) -> Result:
+    """The tests on `tree`, stopping at the first failure, killed (all its processes) at
+    `timeout`."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *tests]
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # NOTE: its own process group, so a timeout kills all of it
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return Result("HANG", time.monotonic() - t0, f"killed at the {timeout:.0f} s timeout")
+    seconds = time.monotonic() - t0
+    if proc.returncode == 0:
+        return Result("MISSED", seconds, "every test passed")
+    detail = _first_failure(output)
+    if DEADLINE_TEXT in output:
+        return Result("HANG", seconds, f"{detail} (a test ran past TEST_TIMEOUT_S)")
+    if proc.returncode not in (1, 2):  # NOTE: 1 tests failed, 2 interrupted (a collection error)
+        detail += f" (pytest exit {proc.returncode})"
+    return Result("caught", seconds, detail)
+
+
+def _in_copy(tests: list[str], timeout: float, bug: Bug | None) -> Result:
+    with tempfile.TemporaryDirectory(prefix="planted-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        if bug is None:
+            _imports_from(tree)
+        else:
+            _plant(tree, bug)
+        return run_tests(tree, tests, timeout)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS))
+    ap.add_argument("--bugs", nargs="+", metavar="WORD", help="only bugs whose name has a WORD")
+    ap.add_argument("--timeout", type=float, help="seconds per run (default: see above)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the clean run")
+    ap.add_argument("--list", action="store_true", help="list the bugs and exit")
     args = ap.parse_args()
-    missed = []
-    for bug in BUGS:
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = Path(tmp)
-            _copy_tree(tree)
-            _plant(tree, bug)
-            t0 = time.monotonic()
-            caught = _caught(tree, args.tests)
-        print(f"{'caught' if caught else 'MISSED'}  {bug.name}  ({time.monotonic() - t0:.0f} s)")
-        if not caught:
-            missed.append(bug.name)
-    print(f"{len(BUGS) - len(missed)} of {len(BUGS)} planted bugs caught")
-    return 1 if missed else 0
+    problems = check_bugs(ROOT)
+    if problems:
+        print("stale or broken planted bugs (update scripts/planted_bugs.py):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 3
+    bugs = [b for b in BUGS if not args.bugs or any(w in b.name for w in args.bugs)]
+    if args.list:
+        for bug in bugs:
+            print(f"{bug.path}: {bug.name}")
+        return 0
+    timeout = args.timeout or MIN_TIMEOUT_S
+    if not args.no_baseline:
+        clean = _in_copy(args.tests, 3 * max(timeout, MIN_TIMEOUT_S), None)
+        print(f"clean tree: {clean.outcome} ({clean.seconds:.0f} s) {clean.detail}", flush=True)
+        if clean.outcome != "MISSED":  # NOTE: on the clean tree every test must pass
+            print("the clean tree does not pass: no planted bug can be judged", file=sys.stderr)
+            return 3
+        timeout = args.timeout or max(MIN_TIMEOUT_S, 2 * clean.seconds)
+    print(f"{len(bugs)} planted bugs, {timeout:.0f} s each at most", flush=True)
+    results: list[tuple[Bug, Result]] = []
+    for bug in bugs:
+        r = _in_copy(args.tests, timeout, bug)
+        results.append((bug, r))
+        print(f"{r.outcome:6}  {r.seconds:5.0f} s  {bug.name}  <- {r.detail}", flush=True)
+    missed = [b.name for b, r in results if r.outcome == "MISSED"]
+    hung = [b.name for b, r in results if r.outcome == "HANG"]
+    print(f"{len(bugs) - len(missed)} of {len(bugs)} planted bugs caught ({len(hung)} by a hang)")
+    for name in missed:
+        print(f"MISSED: {name}")
+    for name in hung:
+        print(f"HANG (a test lacks a bound): {name}")
+    return 1 if missed else 2 if hung else 0
 
 
 if __name__ == "__main__":

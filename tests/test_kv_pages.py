@@ -6,8 +6,8 @@ slot, a stale slot, a page shared that should have been copied or a copy at the 
 up as a wrong value. A page is poisoned when the allocator hands it out, so a stale value left by
 its last user never passes by chance. Invariants are checked after every random step.
 
-NOTE: pure Python, well under a second a test; like tests/test_radix_cache.py it takes no
-`bounded` fixture (engine_harness's SIGALRM bound is for tests that launch processes).
+NOTE: pure Python, well under a second a test (the suite's per-test deadline, tests/conftest.py,
+bounds a planted bug that loops).
 """
 
 from __future__ import annotations
