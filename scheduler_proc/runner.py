@@ -38,7 +38,7 @@ class Runner:
     ) -> None:
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
         # NOTE: when padding inside a row reaches a recurrent state (`state_padding`), a prefill
-        # step's chunks are all equally long and run unpadded (`scheduler._uniform_chunks`).
+        # step's chunks are all equally long and run unpadded (`prefill_plan._uniform_chunks`).
         self.uniform_prefill = not padding_keeps_state(model, pool.layout)
         if pool.layout.states:
             how = "equal unpadded chunks" if self.uniform_prefill else "padded chunks"

@@ -30,6 +30,7 @@ from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
 from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.prefill_plan import PrefillPlanner, body_left, due, prefill_sizes
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.running import RunningTable
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 
 # NOTE: a first-seen shape costs ~50-100 ms on a GPU; beyond this the rest compile when first seen.
 WARM_UP_DEADLINE_S = 120.0
-# NOTE: attention scores one prefill step may hold (elements; float32: 1 GiB), `_fit_scores`.
-PREFILL_SCORES_MAX = 1 << 28
 
 COUNTERS = (
     "steps_launched",  # fresh + chained, counted by prepare_launch only
@@ -74,7 +73,6 @@ class Scheduler:
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
         self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
-        self.heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.kv_plan = plan_kv(
             config,
             bytes_per_token([s for s in layout.kv if s.window is None]) or 1,
@@ -105,6 +103,10 @@ class Scheduler:
         self.running = RunningTable(plan.slots)
         self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk, exact=on_cpu)
         self.runner = Runner(model, self.pool, self.vocab, self.ladders, config.fused_decode)
+        heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
+        self.planner = PrefillPlanner(
+            self.chunk, self.prefill_budget, heads, uniform=self.runner.uniform_prefill
+        )
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
@@ -329,8 +331,8 @@ class Scheduler:
         """
         self._admit()
         decoding = self.running.decoding()
-        due = [r for r in self.running.prefilling() if _due(r)]
-        if not (self._prefill_last and (decoding or due)):
+        ready = [r for r in self.running.prefilling() if due(r)]
+        if not (self._prefill_last and (decoding or ready)):
             chunks = self._plan_chunks()
             if chunks:
                 self._prefill_last = True
@@ -338,7 +340,7 @@ class Scheduler:
         self._prefill_last = False
         self._make_room()
         rows = self.running.decoding()
-        joined = [r for r in self.running.prefilling() if _due(r)]
+        joined = [r for r in self.running.prefilling() if due(r)]
         if not rows and not joined:
             return None
         return Batch(decode=rows, joined=joined)
@@ -391,59 +393,8 @@ class Scheduler:
         self._counters["requests_preempted"] += 1
 
     def _plan_chunks(self) -> list[PromptSlice]:
-        """Prompt chunks for one padded prefill forward: the width that runs the most tokens.
-
-        NOTE: every row of the forward is padded to one width, so a long prompt next to short
-        ones gets a chunk of the width that suits them all, and rows x width stays within
-        --max-prefill-tokens.
-        """
-        todo = [r for r in self.running.prefilling() if _body_left(r) > 0]
-        if not todo:
-            return []
-        # NOTE: prompts whose rest fits one chunk first (in arrival order), then longer ones: 4
-        # prompts of 30k tokens ahead of 64 chats on an H200 held the chats' first tokens 27 s.
-        todo.sort(key=lambda r: _room(r) > self.chunk)
-        if self.runner.uniform_prefill:
-            plan = _uniform_chunks(todo, self._natural_chunk, self.prefill_budget)
-            return self._chunks(self._fit_scores(plan))
-
-        def rows(width: int) -> list[Req]:
-            return todo[: max(1, self.prefill_budget // width)]
-
-        def tokens(width: int) -> tuple[int, int]:  # most tokens, then the narrowest
-            return sum(min(_room(r), width) for r in rows(width)), -width
-
-        width = max(self.ladders.widths, key=tokens)
-        plan = [(req, min(_room(req), width)) for req in rows(width)]
-        return self._chunks(self._fit_scores(plan))
-
-    def _fit_scores(self, plan: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
-        """Fewer rows, then a narrower chunk, until the step's attention scores (rows x heads x
-        width x keys) fit `PREFILL_SCORES_MAX`.
-
-        NOTE: a prefill chunk's attention (with its mask) materialises its scores: 4 rows of
-        2048 tokens over 32k keys with 32 heads wanted 34 GB on an H200 beside the KV pool
-        (out of memory); long prompts' late chunks get narrower instead.
-        """
-        limit = PREFILL_SCORES_MAX // self.heads
-        while True:
-            width = max(n for _, n in plan)
-            keys = self.ladders.pad_kv(max(r.prefilled + n for r, n in plan))
-            if len(plan) * width * keys <= limit or (len(plan) == 1 and width <= 16):
-                return plan
-            if len(plan) > 1:
-                plan = plan[:-1]
-            else:
-                plan = [(plan[0][0], max(16, width // 2))]
-
-    def _natural_chunk(self, req: Req) -> int:
-        """A row's chunk in a step without padding: the most it may run, down to a ladder width
-        (a bucketed shape) when there is one, else its whole rest."""
-        n = min(_room(req), self.chunk)
-        if self.ladders.exact:
-            return n
-        fits = [w for w in self.ladders.widths if w <= n]
-        return fits[-1] if fits else n
+        todo = [r for r in self.running.prefilling() if body_left(r) > 0]
+        return self._chunks(self.planner.plan(todo, self.ladders)) if todo else []
 
     def _chunks(self, plan: list[tuple[Req, int]]) -> list[PromptSlice]:
         chunks = []
@@ -451,7 +402,7 @@ class Scheduler:
             chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
-            if _due(req):
+            if due(req):
                 self._to_publish.append(req)
             elif req.prefilled == req.snap_at:
                 self._to_snapshot.append(req)
@@ -553,62 +504,11 @@ def _slot_bytes(layout: Layout, chunk: int, context: int | None) -> int:
     return rings + layout.state_bytes_per_row
 
 
-def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:
-    """(tokens per request, padded tokens per prefill step); 0 in the config means by backend.
-
-    NOTE: on an H200 (Llama-3.2-1B shape, 128 requests of 32-1024 prompt tokens) the prefill
-    steps took 2.2 s at 512/2048 and 0.8 s at 2048/8192. On the CPU a step's cost grows with its
-    tokens (no idle compute to fill): 16 completions at once (default model, 2 cores) got their
-    first token at p50 1.61-1.64 s with 512-token steps vs 1.93 s with 2048 (one step for all),
-    throughput unchanged (128.7 / 119.6 vs 118.3 tok/s).
-    """
-    chunk = config.chunked_prefill_size or (512 if on_cpu else 2048)
-    budget = config.max_prefill_tokens or (512 if on_cpu else 8192)
-    return min(chunk, budget), budget
-
-
 def _describe(batch: Batch) -> str:
     if batch.is_prefill:
         return f"prefill {len(batch.chunks)} chunks, {sum(c.end - c.start for c in batch.chunks)} tokens"
     kind = "chained" if batch.chained else "fresh"
     return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
-
-
-def _uniform_chunks(
-    todo: list[Req], natural: Callable[[Req], int], budget: int
-) -> list[tuple[Req, int]]:
-    """Rows that all run the same number of tokens: the group that runs the most of them.
-
-    NOTE: for models whose recurrent state absorbs padding (`state_padding`: nemotron_h's Mamba
-    scan takes no lengths): their prefill steps have no padding inside a row.
-    """
-    groups: dict[int, list[Req]] = {}
-    for req in todo:
-        groups.setdefault(natural(req), []).append(req)
-
-    def fit(n: int) -> int:  # NOTE: rows x width stays within --max-prefill-tokens
-        return max(1, budget // n)
-
-    n, reqs = max(groups.items(), key=lambda g: (g[0] * min(len(g[1]), fit(g[0])), g[0]))
-    return [(r, n) for r in reqs[: fit(n)]]
-
-
-def _room(req: Req) -> int:
-    """Fill tokens the request's next chunk may run: up to its snapshot point, if it has one."""
-    left = _body_left(req)
-    if req.snap_at is not None and req.prefilled < req.snap_at:
-        return min(left, req.snap_at - req.prefilled)
-    return left
-
-
-def _body_left(req: Req) -> int:
-    """Fill tokens still to prefill before the last one (which runs in a decode step)."""
-    return req.fill_len - 1 - req.prefilled
-
-
-def _due(req: Req) -> bool:
-    """A prefilling request whose last prompt token runs in the next decode step."""
-    return _body_left(req) == 0
 
 
 def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:

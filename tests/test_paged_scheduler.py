@@ -166,11 +166,11 @@ def test_defaults_are_the_models_context_and_what_memory_holds(llama):
 def test_long_prompts_take_narrower_chunks_as_their_keys_grow(llama, monkeypatch):
     """A prefill step's attention scores stay within PREFILL_SCORES_MAX: fewer rows, then
     narrower chunks, as a long prompt's keys grow; every token as mlx-lm's."""
-    import scheduler_proc.scheduler as scheduler_mod
+    from scheduler_proc import prefill_plan
 
     heads = llama.args.num_attention_heads
     limit = 64 * 256  # NOTE: per head: 64 queries over 256 keys
-    monkeypatch.setattr(scheduler_mod, "PREFILL_SCORES_MAX", limit * heads)
+    monkeypatch.setattr(prefill_plan, "PREFILL_SCORES_MAX", limit * heads)
     rng = random.Random(11)
     reqs = [(f"r{i}", random_prompt(rng, n), 4, 0) for i, n in enumerate([700, 90, 300])]
     sched = make_scheduler(llama, chunked_prefill_size=256, max_prefill_tokens=512)
