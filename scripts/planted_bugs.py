@@ -32,17 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# NOTE: fail fast (pytest -x): the page-level model test first (pure Python, seconds), then the
-# model-family tests, where most bugs fail within seconds; the paged scheduler's tests last.
+# NOTE: fail fast (pytest -x): the pages' model-based test (pure Python, 3 s), the paged
+# scheduler's (13 s: the only preemption cases), then the model-family tests, where most bugs
+# fail within seconds of their 200; the clean run takes about 5 minutes on 2 CPU cores.
 DEFAULT_TESTS = (
     "tests/test_kv_pages.py",
+    "tests/test_paged_scheduler.py",
     "tests/test_model_families.py",
     "tests/test_context_sensitive.py",
     "tests/test_scheduler_parity.py",
     "tests/test_decode_attention.py",
     "tests/test_prefix_cache_parity.py",
     "tests/test_scheduler_lifecycle.py",
-    "tests/test_paged_scheduler.py",
 )
 MIN_TIMEOUT_S = 600.0
 DEADLINE_TEXT = "the test ran past its deadline"  # tests/conftest.py `_timed_out`
@@ -138,6 +139,24 @@ BUGS = (
         "        self.pool.copy_tokens(src, dst)\n",
         "",
     ),
+    Bug(
+        "a prefix hit shares a block that is not a whole aligned page",
+        "scheduler_proc/prefix_cache.py",
+        "whole = len(block) == p and block[0] % p == 0",
+        "whole = len(block) == p",
+    ),
+    Bug(
+        "the prefix cache increfs tokens it already held",
+        "scheduler_proc/prefix_cache.py",
+        "self._ref(slots[present:], +1)",
+        "self._ref(slots, +1)",
+    ),
+    Bug(
+        "a decref skipped: evicted cached tokens keep their pages",
+        "scheduler_proc/prefix_cache.py",
+        "                self.pages.decref(page, n, cached=True)\n",
+        "                pass\n",
+    ),
     # -- admission and preemption ---------------------------------------------------------------
     Bug(
         "admission ignores the decode reserve (KVManager.admit)",
@@ -165,10 +184,10 @@ BUGS = (
     ),
     # -- windows, rings, recurrent state, snapshots ---------------------------------------------
     Bug(
-        "sliding-window layers attend to every key (window dropped from the ragged mask)",
+        "a window layer's batched steps attend to its whole ring (window dropped from the mask)",
         "scheduler_proc/kv_cache.py",
-        "ragged_mask(self.offset, self._t, self.length, window_size)",
-        "ragged_mask(self.offset, self._t, self.length, None)",
+        "mask = ring_mask(self.offset, self._ends, self._t, keys, ring, window_size)",
+        "mask = ring_mask(self.offset, self._ends, self._t, keys, ring, None)",
     ),
     Bug(
         "a lone decode row sees its whole ring (no window mask until the ring is full)",
@@ -258,11 +277,14 @@ def check_bugs(root: Path) -> list[str]:
             continue
         n = path.read_text().count(bug.old)
         if n != 1:
-            problems.append(f"{bug.name!r}: its `old` text occurs {n} times in {bug.path}, not once")
+            problems.append(
+                f"{bug.name!r}: its `old` text occurs {n} times in {bug.path}, not once"
+            )
     return problems
 
 
 def _copy_tree(dst: Path) -> None:
+    """The work tree's tracked and untracked (not ignored) files, as they are now."""
     files = subprocess.run(
         ["git", "ls-files", "-z", "-co", "--exclude-standard"],
         cwd=ROOT, capture_output=True, text=True, check=True,
@@ -307,47 +329,69 @@ def _first_failure(output: str) -> str:
     return tail[-1] if tail else "no output"
 
 
-def run_tests(tree: Path, tests: list[str], timeout: float) -> Result:
+def run_tests(tree: Path, tests: list[str], timeout: float, log: Path) -> Result:
     """The tests on `tree`, stopping at the first failure, killed (all its processes) at
-    `timeout`."""
+    `timeout`; pytest's output goes to `log`."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", *tests]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tree,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # NOTE: its own process group, so a timeout kills all of it
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return Result("HANG", time.monotonic() - t0, f"killed at the {timeout:.0f} s timeout")
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=tree,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # NOTE: its own process group, so a timeout kills all of it
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Result("HANG", time.monotonic() - t0, f"killed at the {timeout:.0f} s timeout")
+        finally:  # NOTE: interrupted (Ctrl-C, SIGTERM): no test run left behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     seconds = time.monotonic() - t0
     if proc.returncode == 0:
         return Result("MISSED", seconds, "every test passed")
+    output = log.read_text(errors="replace")
     detail = _first_failure(output)
     if DEADLINE_TEXT in output:
         return Result("HANG", seconds, f"{detail} (a test ran past TEST_TIMEOUT_S)")
-    if proc.returncode not in (1, 2):  # NOTE: 1 tests failed, 2 interrupted (a collection error)
+    if proc.returncode != 1:  # NOTE: 1: tests failed; 2: interrupted (a collection error), ...
         detail += f" (pytest exit {proc.returncode})"
     return Result("caught", seconds, detail)
 
 
-def _in_copy(tests: list[str], timeout: float, bug: Bug | None) -> Result:
+def _in_copy(base: Path, tests: list[str], timeout: float, bug: Bug | None, log: Path) -> Result:
     with tempfile.TemporaryDirectory(prefix="planted-") as tmp:
-        tree = Path(tmp)
-        _copy_tree(tree)
+        tree = Path(tmp) / "tree"
+        shutil.copytree(base, tree, symlinks=True)
         if bug is None:
             _imports_from(tree)
         else:
             _plant(tree, bug)
-        return run_tests(tree, tests, timeout)
+        return run_tests(tree, tests, timeout, log)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60]
+
+
+def _stale(root: Path) -> bool:
+    problems = check_bugs(root)
+    if problems:
+        print("stale or broken planted bugs (update scripts/planted_bugs.py):", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+    return bool(problems)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # NOTE: so `run_tests` kills its test run on the way out
 
 
 def main() -> int:
@@ -356,33 +400,42 @@ def main() -> int:
     ap.add_argument("--bugs", nargs="+", metavar="WORD", help="only bugs whose name has a WORD")
     ap.add_argument("--timeout", type=float, help="seconds per run (default: see above)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the clean run")
+    ap.add_argument("--logs", type=Path, help="where each run's pytest output goes")
     ap.add_argument("--list", action="store_true", help="list the bugs and exit")
     args = ap.parse_args()
-    problems = check_bugs(ROOT)
-    if problems:
-        print("stale or broken planted bugs (update scripts/planted_bugs.py):", file=sys.stderr)
-        for p in problems:
-            print(f"  {p}", file=sys.stderr)
+    signal.signal(signal.SIGTERM, _terminate)
+    if _stale(ROOT):
         return 3
     bugs = [b for b in BUGS if not args.bugs or any(w in b.name for w in args.bugs)]
     if args.list:
         for bug in bugs:
             print(f"{bug.path}: {bug.name}")
         return 0
-    timeout = args.timeout or MIN_TIMEOUT_S
-    if not args.no_baseline:
-        clean = _in_copy(args.tests, 3 * max(timeout, MIN_TIMEOUT_S), None)
-        print(f"clean tree: {clean.outcome} ({clean.seconds:.0f} s) {clean.detail}", flush=True)
-        if clean.outcome != "MISSED":  # NOTE: on the clean tree every test must pass
-            print("the clean tree does not pass: no planted bug can be judged", file=sys.stderr)
+    logs = args.logs or Path(tempfile.gettempdir()) / time.strftime("planted_bugs-%Y%m%d-%H%M%S")
+    logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="planted-base-") as tmp:
+        # NOTE: one snapshot of the tree for every run: edits made while the script runs (it
+        # takes a while) neither race a copy nor judge one bug on other code than the next.
+        base = Path(tmp) / "tree"
+        _copy_tree(base)
+        if _stale(base):  # NOTE: the tree may have changed since the check above
             return 3
-        timeout = args.timeout or max(MIN_TIMEOUT_S, 2 * clean.seconds)
-    print(f"{len(bugs)} planted bugs, {timeout:.0f} s each at most", flush=True)
-    results: list[tuple[Bug, Result]] = []
-    for bug in bugs:
-        r = _in_copy(args.tests, timeout, bug)
-        results.append((bug, r))
-        print(f"{r.outcome:6}  {r.seconds:5.0f} s  {bug.name}  <- {r.detail}", flush=True)
+        print(f"pytest output of each run: {logs}", flush=True)
+        timeout = args.timeout or MIN_TIMEOUT_S
+        if not args.no_baseline:
+            clean = _in_copy(base, args.tests, 3 * timeout, None, logs / "00-clean.log")
+            print(f"clean tree: {clean.seconds:.0f} s, {clean.detail}", flush=True)
+            if clean.outcome != "MISSED":  # NOTE: on the clean tree every test must pass
+                print("the clean tree does not pass: no planted bug can be judged", file=sys.stderr)
+                return 3
+            timeout = args.timeout or max(MIN_TIMEOUT_S, 2 * clean.seconds)
+        print(f"{len(bugs)} planted bugs, {timeout:.0f} s each at most", flush=True)
+        results: list[tuple[Bug, Result]] = []
+        for i, bug in enumerate(bugs, 1):
+            log = logs / f"{i:02d}-{_slug(bug.name)}.log"
+            r = _in_copy(base, args.tests, timeout, bug, log)
+            results.append((bug, r))
+            print(f"{r.outcome:6}  {r.seconds:5.0f} s  {bug.name}  <- {r.detail}", flush=True)
     missed = [b.name for b, r in results if r.outcome == "MISSED"]
     hung = [b.name for b, r in results if r.outcome == "HANG"]
     print(f"{len(bugs) - len(missed)} of {len(bugs)} planted bugs caught ({len(hung)} by a hang)")
@@ -394,4 +447,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit("interrupted")
