@@ -46,7 +46,7 @@ DEFAULT_TESTS = (
     "tests/test_scheduler_lifecycle.py",
 )
 MIN_TIMEOUT_S = 600.0
-DEADLINE_TEXT = "the test ran past its deadline"  # tests/conftest.py `_timed_out`
+DEADLINE_TEXT = "the test ran past its deadline"  # tests/engine_harness.py `deadline`
 
 
 @dataclass(frozen=True)

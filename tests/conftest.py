@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,15 +14,13 @@ from engine.cpu_backend import setup_cpu_backend
 # (Linux CPU), as the scheduler process does; a no-op elsewhere.
 setup_cpu_backend(None, log_line=False)
 
+from engine_harness import deadline  # noqa: E402
+
 from engine.random_model import TINY_LLAMA, TINY_QWEN3, make_random_model  # noqa: E402
 
 # NOTE: every test runs under a deadline, so a planted bug that hangs fails its test instead of
 # the suite; `@pytest.mark.timeout(s)` gives a test its own.
 TEST_TIMEOUT_S = 600
-
-
-def _timed_out(signum: int, frame: object) -> None:
-    raise TimeoutError("the test ran past its deadline (tests/conftest.py TEST_TIMEOUT_S)")
 
 
 @pytest.fixture(autouse=True)
@@ -33,13 +30,8 @@ def _deadline(request: pytest.FixtureRequest) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGALRM, _timed_out)
-    signal.alarm(seconds)
-    try:
+    with deadline(seconds):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="session")
