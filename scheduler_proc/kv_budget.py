@@ -53,9 +53,9 @@ class KVPlan:
 
     def describe(self) -> str:
         gib = self.allocated_tokens * self.budget.bytes_per_token / 2**30
-        slots = f"; per request {self.slot_tokens} tokens' worth of rings/state" * bool(
-            self.slot_tokens
-        )
+        slots = ""
+        if self.slot_tokens:
+            slots = f"; per request {self.slot_tokens} tokens' worth of rings/state"
         grows = ""
         if self.start_pages < self.pages:
             grows = f", {self.start_pages} allocated now, doubling as tokens arrive"
