@@ -65,6 +65,11 @@ class EngineConfig:
         "Decode attention over rows of any length in one fused kernel: auto (on CUDA, whose own "
         "kernel takes no mask), on, off (MLX's attention with a per-row mask)",
     )
+    prefill_attention: str = _opt(
+        "auto",
+        "Prompt-chunk attention: auto (ops on CUDA, whose masked fast kernel builds per shape), "
+        "ops (MLX's matmul and softmax), fast (mx.fast.scaled_dot_product_attention)",
+    )
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     max_frame_bytes: int = _opt(
         8 << 20, "Largest client frame (bytes); 4x this drops the connection"
@@ -153,6 +158,10 @@ class EngineConfig:
         for name in ("warmup", "fused_decode"):
             if getattr(self, name) not in ON_OFF_AUTO:
                 raise ValueError(f"{name} must be auto, on or off, got {getattr(self, name)}")
+        if self.prefill_attention not in ("auto", "ops", "fast"):
+            raise ValueError(
+                f"prefill_attention must be auto, ops or fast, got {self.prefill_attention}"
+            )
         if not self.api_key and not _loopback(self.host):
             raise ValueError(
                 f"--host {self.host} accepts clients from other machines: set --api-key (or "

@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base
 
+from scheduler_proc import prefill_attention
+
 log = logging.getLogger(__name__)
 
 _TILE = 128  # NOTE: threads per block, and keys per tile: one key per thread in the score phase
@@ -238,6 +240,7 @@ class Counts:
 
     calls: int = 0
     masked: int = 0
+    prefill_ops: int = 0  # prompt-chunk attention calls run by `prefill_attention`
 
 
 counts = Counts()
@@ -394,10 +397,15 @@ def _gather(buf: mx.array, table: mx.array, page_size: int, n: int) -> mx.array:
 
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's `scaled_dot_product_attention`, with the fused decode where the cache asks."""
+    """mlx-lm's `scaled_dot_product_attention`, with the fused decode where the cache asks, and
+    prompt chunks by MLX's ops where it asks for that (`prefill_attention`)."""
     fused = getattr(cache, "fused_lengths", None)
     paged: PagedKeys | None = fused() if fused is not None else None
     if paged is None:
+        ops = getattr(cache, "prefill_by_ops", None)
+        if ops is not None and ops() and isinstance(mask, mx.array) and sinks is None:
+            counts.prefill_ops += 1
+            return prefill_attention.attention(queries, keys, values, scale, mask)
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
     counts.calls += 1
     if sinks is not None or not fits(queries, keys, values):

@@ -64,6 +64,7 @@ class _RowView:
     """One request at an int offset, no padding: exactly mlx-lm's single-stream path."""
 
     lengths = None  # NOTE: no padding, so recurrent layers take mlx-lm's unmasked path
+    by_ops = False  # NOTE: one row, mlx-lm's own masks and attention
 
     def __init__(self, pool: KVPool, slot: int, table: list[int], start: int, n: int = 1) -> None:
         self.pool, self.slot, self.table, self.offset = pool, slot, table, start
@@ -122,7 +123,9 @@ class _RaggedView:
     fused decode, the whole buffers and the page table.
     """
 
-    def __init__(self, pool: KVPool, plan: StepRows, kv_len: int, fused: bool = False) -> None:
+    def __init__(
+        self, pool: KVPool, plan: StepRows, kv_len: int, fused: bool = False, by_ops: bool = False
+    ) -> None:
         self.pool, self.plan, self.length = pool, plan, kv_len
         self._t = t = plan.width
         self.offset = mx.array(plan.starts, dtype=mx.int32)
@@ -149,6 +152,7 @@ class _RaggedView:
         padded = any(k < t for k in plan.lengths)
         self.lengths = mx.array(plan.lengths, dtype=mx.int32) if padded else None
         self.fused = fused and t == 1
+        self.by_ops = by_ops and t > 1
 
     def _write_slots(self, tables: np.ndarray) -> np.ndarray:
         """Slot of every (row, query) position, row-major; padding to the scratch page.
@@ -285,6 +289,10 @@ class LayerCache:
         the fused decode (`decode_attention`)."""
         return self._view.fused_keys(self._window)
 
+    def prefill_by_ops(self) -> bool:
+        """Whether this forward's attention over a prompt chunk runs `prefill_attention`."""
+        return self._view.by_ops
+
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         # NOTE: as mlx-lm's RotatingKVCache: a window layer's mask has its window even when the
         # model does not name one.
@@ -394,9 +402,13 @@ class KVPool:
         """One request, tokens at `start:`, int offset (a single stream's step)."""
         return self._caches(_RowView(self, slot, table, start))
 
-    def ragged_view(self, plan: StepRows, kv_len: int, fused: bool = False) -> list[EntryCache]:
-        """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row."""
-        return self._caches(_RaggedView(self, plan, kv_len, fused))
+    def ragged_view(
+        self, plan: StepRows, kv_len: int, fused: bool = False, by_ops: bool = False
+    ) -> list[EntryCache]:
+        """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row.
+        `fused`: a decode reads keys in the kernel; `by_ops`: prompt chunks attend by MLX's ops
+        (`prefill_attention`)."""
+        return self._caches(_RaggedView(self, plan, kv_len, fused, by_ops))
 
     def _caches(self, view: View) -> list[EntryCache]:
         # NOTE: one cache object per entry of the model's own cache list, in its order.

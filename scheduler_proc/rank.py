@@ -73,6 +73,7 @@ SCHEDULER_OPTIONS = (
     "disable_radix_cache",
     "warmup",
     "fused_decode",
+    "prefill_attention",
     "seed",
 )
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.sampling_params import SamplingParams
-from scheduler_proc import decode_attention
+from scheduler_proc import decode_attention, prefill_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_cache import EntryCache, KVPool, StepRows
 from scheduler_proc.request import Req
@@ -34,8 +34,15 @@ def row_params(req: Req) -> RowParams:
 
 class Runner:
     def __init__(
-        self, model: nn.Module, pool: KVPool, vocab: int, ladders: Ladders, fused: str = "auto"
+        self,
+        model: nn.Module,
+        pool: KVPool,
+        vocab: int,
+        ladders: Ladders,
+        fused: str = "auto",
+        prefill: str = "auto",
     ) -> None:
+        """`fused`: `--fused-decode`; `prefill`: `--prefill-attention`."""
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
         # NOTE: when padding inside a row reaches a recurrent state (`state_padding`), a prefill
         # step's chunks are all equally long and run unpadded (`prefill_plan._uniform_chunks`).
@@ -50,6 +57,12 @@ class Runner:
         # NOTE: "on" off CUDA runs the kernel's masked twin: the same plumbing, for tests.
         want = fused == "on" or (fused == "auto" and decode_attention.available())
         self.fused_decode = want and self._check_fused()
+        # NOTE: a model whose attention is not mlx-lm's keeps its own (nothing rebound).
+        self.prefill_by_ops = prefill_attention.by_ops(prefill) and bool(
+            decode_attention.install(model)
+        )
+        if self.prefill_by_ops:
+            log.info("prefill attention: MLX ops (no per-shape build)")
 
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run
@@ -121,7 +134,7 @@ class Runner:
         grid = [t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * pad
         for c in chunks:
             c.req.kv_len = c.end
-        view = self.pool.ragged_view(plan, kv_len)
+        view = self.pool.ragged_view(plan, kv_len, by_ops=self.prefill_by_ops)
         self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
 
     # -- decode --------------------------------------------------------------------------------
@@ -193,7 +206,9 @@ class Runner:
                 log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
                 break
             decode = tokens.shape[1] == 1
-            view = self.pool.ragged_view(plan, kv_len, fused=decode and self.fused_decode)
+            view = self.pool.ragged_view(
+                plan, kv_len, fused=decode and self.fused_decode, by_ops=self.prefill_by_ops
+            )
             logits = self._forward(tokens, view, kv_len)
             state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
             mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())

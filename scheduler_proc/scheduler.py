@@ -102,7 +102,14 @@ class Scheduler:
         self.prefix = self.kv.prefix  # NOTE: None when the cache is off
         self.running = RunningTable(plan.slots)
         self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk, exact=on_cpu)
-        self.runner = Runner(model, self.pool, self.vocab, self.ladders, config.fused_decode)
+        self.runner = Runner(
+            model,
+            self.pool,
+            self.vocab,
+            self.ladders,
+            config.fused_decode,
+            config.prefill_attention,
+        )
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
             self.chunk, self.prefill_budget, heads, uniform=self.runner.uniform_prefill
@@ -207,6 +214,7 @@ class Scheduler:
             **self.step_times.stats(),
             "decode_attention_fused_calls": decode_attention.counts.calls,
             "decode_attention_masked_calls": decode_attention.counts.masked,
+            "prefill_attention_ops_calls": decode_attention.counts.prefill_ops,
         }
 
     def shutdown(self) -> None:

@@ -90,14 +90,18 @@ def test_greedy_parity(family, overlap):
 KEEP_THE_MASK = {"gpt_oss", "gemma4_text"}
 
 
-@pytest.mark.parametrize("fused", ["off", "on"], ids=["masked", "fused"])
-def test_greedy_parity_with_gpu_shape_buckets(family, fused):
+@pytest.mark.parametrize(
+    "fused,prefill", [("off", "fast"), ("on", "ops")], ids=["as-on-metal", "as-on-cuda"]
+)
+def test_greedy_parity_with_gpu_shape_buckets(family, fused, prefill):
     """Padded rows, widths and key lengths: padding must not reach any row's KV or state. The
-    decode steps as on Metal (masked) and as on CUDA (fused: whole buffers and row lengths for
-    full-attention layers, the window layers still masked)."""
+    steps as on Metal (masked decode, MLX's fast attention for prompt chunks) and as on CUDA
+    (fused decode: whole buffers and row lengths for full-attention layers, the window layers
+    still masked; prompt chunks attending by MLX's ops, `prefill_attention`)."""
     name, model = family
-    sched = _check(model, _workload(2), buckets=True, fused_decode=fused)
+    sched = _check(model, _workload(2), buckets=True, fused_decode=fused, prefill_attention=prefill)
     assert sched.runner.fused_decode is (fused == "on" and name not in KEEP_THE_MASK)
+    assert sched.runner.prefill_by_ops is (prefill == "ops")
 
 
 def test_greedy_parity_prefix_cache_on_and_off(family):

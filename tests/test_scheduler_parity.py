@@ -19,7 +19,7 @@ from scheduler_util import (
 )
 
 from engine.sampling_params import SamplingParams
-from scheduler_proc import decode_attention
+from scheduler_proc import decode_attention, prefill_attention
 
 # NOTE: 17 and 33 leave a one-token last chunk at chunk size 16; 1 is a one-token prompt.
 PROMPT_LENS = [1, 2, 15, 16, 17, 33, 64, 100, 257, 300, 511, 700, 1023, 1100, 1500, 5, 40, 9]
@@ -45,14 +45,20 @@ def qwen3(tiny_qwen3_weights_dir):
     return tiny_model(tiny_qwen3_weights_dir)
 
 
-def _check_parity(model, overlap: bool, buckets: bool = False, fused: bool = False) -> None:
+def _check_parity(
+    model, overlap: bool, buckets: bool = False, fused: bool = False, ops: bool = False
+) -> None:
     sched = make_scheduler(
         model,
         chunked_prefill_size=16,
         max_prefill_tokens=64,
         disable_overlap=not overlap,
         fused_decode="on" if fused else "auto",
+        prefill_attention="ops" if ops else "auto",
     )
+    ops = ops or prefill_attention.by_ops("auto")  # NOTE: on CUDA prompt chunks take ops
+    assert sched.runner.prefill_by_ops is ops
+    ops_before = decode_attention.counts.prefill_ops
     fused = fused or decode_attention.available()  # NOTE: on CUDA the fused path is the default
     assert sched.runner.fused_decode is fused
     fused_before = decode_attention.counts.calls
@@ -77,6 +83,7 @@ def _check_parity(model, overlap: bool, buckets: bool = False, fused: bool = Fal
     assert forwards == [1] * stats["steps_launched"]
     assert stats["steps_prefill"] > 0 and stats["steps_decode"] > 0
     assert (decode_attention.counts.calls > fused_before) is fused
+    assert (decode_attention.counts.prefill_ops > ops_before) is ops
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
@@ -102,6 +109,13 @@ def test_greedy_parity_with_the_fused_decode(llama, overlap):
 
 def test_greedy_parity_qwen3_with_the_fused_decode(qwen3):
     _check_parity(qwen3, overlap=True, fused=True)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_greedy_parity_on_the_cuda_paths(model, request):
+    """The CUDA defaults: the fused decode, and prompt chunks attending by MLX's ops
+    (`prefill_attention`), bucketed shapes, the overlap loop."""
+    _check_parity(request.getfixturevalue(model), overlap=True, buckets=True, fused=True, ops=True)
 
 
 def test_overlap_and_sync_agree_with_eos(llama):

@@ -58,6 +58,11 @@ SCRIPT_RUNS = {
     ],
     "bench_decode_step.py": ["--batch", "2", "--context", "8", "--steps", "2"],
     "profile_decode.py": ["--batch", "2", "--context", "8", "--steps", "1"],
+    "profile_scheduler.py": [
+        *("--concurrency", "2", "--num-requests", "3", "--prompt", "4:9", "--output", "2"),
+        *("--waves", "1", "--set", "max_total_tokens=4096"),
+    ],
+    "bench_prefill_attention.py": ["--shapes", "2x4x16", "--heads", "4", "--kv-heads", "2"],
     "bench_scheduler.py": [
         *("--num-requests", "2", "--max-tokens", "2", "--min-tokens", "1", "--min-prompt", "2"),
         *("--max-prompt", "8", "--concurrency", "2", "--single-tokens", "3", "--skip", "stagger"),
@@ -69,7 +74,11 @@ SCRIPT_RUNS = {
 def test_benchmark_scripts_run_on_a_tiny_model(script, tiny_weights_dir):
     """The benchmarks use the scheduler's internals; a tiny run keeps them from rotting."""
     argv = [sys.executable, str(ROOT / "scripts" / script), *SCRIPT_RUNS[script]]
-    if script not in ("bench_kv_cache.py", "bench_decode_attention.py"):  # NOTE: no model
+    if script not in (
+        "bench_kv_cache.py",
+        "bench_decode_attention.py",
+        "bench_prefill_attention.py",
+    ):
         argv += ["--model", str(tiny_weights_dir)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
