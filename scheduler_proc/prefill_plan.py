@@ -25,6 +25,11 @@ class PrefillPlanner:
     heads: int  # the model's query heads (attention scores per token pair)
     uniform: bool = False  # equal unpadded chunks (a model whose state absorbs padding)
 
+    @property
+    def scores_limit(self) -> int:
+        """Most rows x width x keys of one prefill step (`PREFILL_SCORES_MAX` over the heads)."""
+        return PREFILL_SCORES_MAX // self.heads
+
     def plan(self, todo: list[Req], ladders: Ladders) -> list[tuple[Req, int]]:
         """(request, tokens) for one step, from the prefilling requests with a body left."""
         # NOTE: prompts whose rest fits one chunk first (in arrival order), then longer ones: 4
@@ -52,7 +57,7 @@ class PrefillPlanner:
         2048 tokens over 32k keys with 32 heads wanted 34 GB on an H200 beside the KV pool
         (out of memory); long prompts' late chunks get narrower instead.
         """
-        limit = PREFILL_SCORES_MAX // self.heads
+        limit = self.scores_limit
         while True:
             width = max(n for _, n in plan)
             keys = ladders.pad_kv(max(r.prefilled + n for r, n in plan))

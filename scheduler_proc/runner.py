@@ -191,17 +191,24 @@ class Runner:
 
     # -- warm-up -------------------------------------------------------------------------------
     def warm_up(
-        self, budget_tokens: int, deadline_s: float, minimal: bool = False
+        self,
+        budget_tokens: int,
+        deadline_s: float,
+        minimal: bool = False,
+        scores_limit: int | None = None,
     ) -> tuple[int, float]:
-        """Run every decode and first-chunk prefill shape once, writing only scratch space.
+        """Run every decode and prefill shape once, writing only scratch space.
 
-        `minimal`: one small shape of each kind. Returns (forwards run, seconds). Stops at
-        `deadline_s`; later shapes then compile when first seen.
+        Prefill shapes: every (rows, width) within `budget_tokens`, at every key length a later
+        chunk may read (rows x width x keys within `scores_limit`, the planner's bound; None:
+        first chunks only). `minimal`: one small shape of each kind. Returns (forwards run,
+        seconds). Stops at `deadline_s`; later shapes then build when first seen (and are
+        logged).
         """
         t0 = time.monotonic()
         self._warm_lone_row()
         done = 1
-        for tokens, plan, kv_len in self._warm_shapes(budget_tokens, minimal):
+        for tokens, plan, kv_len in self._warm_shapes(budget_tokens, minimal, scores_limit):
             if time.monotonic() - t0 > deadline_s:
                 log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
                 break
@@ -227,11 +234,11 @@ class Runner:
         state = build_state([_PAD_ROW], self.vocab)
         mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
 
-    def _warm_shapes(self, budget_tokens: int, minimal: bool):
+    def _warm_shapes(self, budget_tokens: int, minimal: bool, scores_limit: int | None):
         lad = self.ladders
         if minimal:
             yield self._warm_decode(2, lad.kv[0])
-            yield self._warm_prefill(1, lad.widths[0])
+            yield self._warm_prefill(1, lad.widths[0], lad.pad_kv(lad.widths[0]))
             return
         # NOTE: a fused decode's keys are no dimension of its shape (`_keyless`): one per rows.
         keys = lad.kv[:1] if self.fused_decode and not self._windows else lad.kv
@@ -242,20 +249,31 @@ class Runner:
                 # beside many short ones); it compiles when first seen, and is logged.
                 if kv_len == keys[0] or n * kv_len <= held:
                     yield self._warm_decode(n, kv_len)
-        for width in lad.widths:
-            for n in lad.rows:
-                if n > 1 and n * width > budget_tokens:
-                    break
-                yield self._warm_prefill(n, width)
+        pairs = [
+            (n, width)
+            for width in lad.widths
+            for n in lad.rows
+            if n == 1 or n * width <= budget_tokens
+        ]
+        for n, width in pairs:
+            yield self._warm_prefill(n, width, lad.pad_kv(width))
+        # NOTE: later chunks read more keys: each (rows, width, keys) built on its first use
+        # after READY (H200: 20-140 ms steps, every decoding row waiting). Shortest keys first.
+        if scores_limit is None:
+            return
+        for kv_len in lad.kv:
+            for n, width in pairs:
+                if kv_len > lad.pad_kv(width) and n * width * kv_len <= scores_limit:
+                    if n * kv_len <= held:
+                        yield self._warm_prefill(n, width, kv_len)
 
     def _warm_decode(self, n: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
         # NOTE: no real token, so every write goes to the scratch page and slot, and every read
         # gathers the scratch page: nothing in use changes.
         return mx.zeros((n, 1), mx.int32), self._pad_plan(n, 1), kv_len
 
-    def _warm_prefill(self, n: int, width: int) -> tuple[mx.array, StepRows, int]:
-        plan = self._pad_plan(n, width)
-        return mx.zeros((n, width), mx.int32), plan, self.ladders.pad_kv(width)
+    def _warm_prefill(self, n: int, width: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
+        return mx.zeros((n, width), mx.int32), self._pad_plan(n, width), kv_len
 
     def _pad_plan(self, n: int, width: int) -> StepRows:
         slot = self.pool.scratch_slot

@@ -247,7 +247,8 @@ class Scheduler:
             return 0.0
         minimal = mode == "auto" and self.ladders.exact
         budget = self.prefill_budget
-        n, seconds = self.runner.warm_up(budget, deadline_s, minimal=minimal)
+        limit = self.planner.scores_limit
+        n, seconds = self.runner.warm_up(budget, deadline_s, minimal=minimal, scores_limit=limit)
         log.info("warm-up: %d step shapes in %.1f s", n, seconds)
         return seconds
 

@@ -40,7 +40,8 @@ def bucketed(sched: Scheduler, warm: bool = True) -> Scheduler:
     slots, context = sched.running.slots, sched.max_context
     sched.ladders = sched.runner.ladders = Ladders.for_pool(slots, context, sched.chunk)
     if warm:
-        sched.runner.warm_up(sched.prefill_budget, deadline_s=600.0)
+        limit = sched.planner.scores_limit
+        sched.runner.warm_up(sched.prefill_budget, deadline_s=600.0, scores_limit=limit)
     return sched
 
 

@@ -219,3 +219,21 @@ def test_the_warm_up_runs_the_lone_row_decode(llama):
     assert (1, 1, -1) in sched.runner.shapes_seen
     rng = random.Random(13)
     _parity(sched, llama, [("alone", random_prompt(rng, 30), 8, 0)])
+
+
+def test_the_warm_up_runs_every_prefill_shape_the_planner_makes(llama):
+    """Long prompts' later chunks read more keys than their first: each (rows, width, keys)
+    first seen after READY cost an H200 a 20-140 ms step, every decoding row waiting. The CUDA
+    paths (a decode's keys are no dimension of its shape there)."""
+    cuda = dict(fused_decode="on", prefill_attention="ops")
+    sched = bucketed(
+        make_scheduler(llama, chunked_prefill_size=64, max_prefill_tokens=256, **cuda)
+    )
+    rng = random.Random(21)
+    lens = [900, 40, 300, 1500, 70, 5, 2000, 130, 640]
+    arrivals: dict = {}
+    for i, n in enumerate(lens):
+        arrivals.setdefault(i % 3 * 4, []).append((f"r{i}", random_prompt(rng, n), greedy(3)))
+    drive(sched, arrivals)
+    stats = sched.stats()
+    assert stats["steps_prefill"] > 10 and stats["steps_new_shape"] == 0
