@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 SLOW_FACTOR = 10.0
 _MIN_SAMPLES = 16
 _MIN_SLOW_S = 0.05  # NOTE: below this a "slow" step is noise, not a stall
+_STALL_S = 1.0  # NOTE: logged whatever the median, even before there is one
 
 
 class StepTimes:
@@ -57,6 +58,16 @@ class StepTimes:
                 batch.step_index,
                 dt * 1e3,
                 new,
+                _after(before),
+            )
+        elif dt > _STALL_S and len(times) < _MIN_SAMPLES:
+            self.slow_steps += 1
+            log.warning(
+                "step %d (%s, %d rows) took %.0f ms (%s)",
+                batch.step_index,
+                kind,
+                len(batch.rows),
+                dt * 1e3,
                 _after(before),
             )
         elif dt > _MIN_SLOW_S and len(times) >= _MIN_SAMPLES:
