@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # fail within seconds of their 200; the clean run takes about 5 minutes on 2 CPU cores.
 DEFAULT_TESTS = (
     "tests/test_kv_pages.py",
+    "tests/test_prefill_attention.py",
     "tests/test_paged_scheduler.py",
     "tests/test_model_families.py",
     "tests/test_context_sensitive.py",
@@ -250,6 +251,31 @@ BUGS = (
         "scheduler_proc/scheduler.py",
         "chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))",
         "chunks.append(PromptSlice(req, 0, n))",
+    ),
+    # -- prompt-chunk attention, warm-up, in-place copies ------------------------------------
+    Bug(
+        "prefill attention by ops ignores the mask (every query sees every key)",
+        "scheduler_proc/prefill_attention.py",
+        "scores = mx.where(m, scores, mx.array(-mx.inf, scores.dtype))",
+        "scores = scores",
+    ),
+    Bug(
+        "prefill attention by ops drops the scale",
+        "scheduler_proc/prefill_attention.py",
+        "qg = (q * mx.array(scale, q.dtype)).reshape(r, kv_heads, g, t, d)",
+        "qg = q.reshape(r, kv_heads, g, t, d)",
+    ),
+    Bug(
+        "warm-up runs prefill shapes at first-chunk key lengths only",
+        "scheduler_proc/runner.py",
+        "        if scores_limit is None:\n            return\n",
+        "        return\n",
+    ),
+    Bug(
+        "a shared partial page is read and written in one graph (the whole buffer copied)",
+        "scheduler_proc/kv_cache.py",
+        "            self.keys[i][:, d] = k\n",
+        "            self.keys[i][:, d] = self.keys[i][:, s]\n",
     ),
 )
 
