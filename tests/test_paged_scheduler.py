@@ -255,3 +255,26 @@ def test_a_shared_partly_filled_page_is_copied_in_place(llama):
     assert mx.get_peak_memory() - before < whole / 4
     for w, buf in zip(want, pool.keys + pool.values, strict=True):
         assert mx.array_equal(buf[:, 64:77], w).item()
+
+
+def test_admission_leaves_a_page_for_every_decoding_request(llama):
+    """A request is admitted only beside a free page per decoding request (their next tokens'),
+    so an admission never forces a preemption at the next decode step."""
+    sched = make_scheduler(llama, max_total_tokens=48 * 16, page_size=16, disable_radix_cache=True)
+    admit, seen = sched.kv.admit, []
+
+    def watched(req, reserve):
+        ok = admit(req, reserve)
+        if ok:
+            seen.append((sched.kv.pages.available, sched.running.n_decode))
+        return ok
+
+    sched.kv.admit = watched
+    rng = random.Random(8)
+    arrivals: dict = {}
+    for i in range(24):
+        prompt = random_prompt(rng, rng.randint(60, 200))
+        arrivals.setdefault(i * 3, []).append((f"r{i}", prompt, greedy(rng.randint(20, 60))))
+    drive(sched, arrivals)
+    assert any(n > 0 for _, n in seen), "no admission beside decoding requests"
+    assert all(free >= n for free, n in seen), seen
