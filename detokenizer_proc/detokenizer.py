@@ -57,11 +57,11 @@ class Detokenizer:
             # NOTE: a request already ended by a stop string still has a step or two in flight.
             return None
         stream.add(out.token_ids)
-        text, hit_stop = stream.take(final=out.finish_reason is not None)
-        finish: FinishReason | None = "stop" if hit_stop else out.finish_reason
+        text, stop = stream.take(final=out.finish_reason is not None)
+        finish: FinishReason | None = "stop" if stop is not None else out.finish_reason
         if finish is not None:
             del self._streams[out.rid]
-        return _chunk(out, text, finish)
+        return _chunk(out, text, finish, stop=stop)
 
     def _failed(self, out: Chunk, error: Exception) -> Chunk:
         log.exception("rid=%s detokenization failed", out.rid)
@@ -69,6 +69,14 @@ class Detokenizer:
         return _chunk(out, "", "error", f"detokenizer: {type(error).__name__}: {error}")
 
 
-def _chunk(out: Chunk, text: str, finish: FinishReason | None, error: str | None = None) -> Chunk:
-    """The scheduler's chunk with its text (and how it ended, when that changed here)."""
-    return msgspec.structs.replace(out, text=text, finish_reason=finish, error=error or out.error)
+def _chunk(
+    out: Chunk,
+    text: str,
+    finish: FinishReason | None,
+    error: str | None = None,
+    stop: str | None = None,
+) -> Chunk:
+    """The scheduler's chunk with its text (and how it ended, when that changed here: a stop
+    string names itself)."""
+    error = error or out.error
+    return msgspec.structs.replace(out, text=text, finish_reason=finish, error=error, stop=stop)

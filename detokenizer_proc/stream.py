@@ -25,19 +25,20 @@ class TextStream:
             if t not in self._skip:
                 self._detok.add_token(t)
 
-    def take(self, final: bool) -> tuple[str, bool]:
-        """The next text delta, and whether a stop string ended the text."""
+    def take(self, final: bool) -> tuple[str, str | None]:
+        """The next text delta, and the stop string that ended the text (None: none did)."""
         if final:
             self._detok.finalize()
         text = self._detok.text
-        cut = self._find_stop(text)
-        if cut is not None:
-            return self._emit(text, cut), True
+        hit = self._find_stop(text)
+        if hit is not None:
+            return self._emit(text, hit[0]), hit[1]
         end = len(text) if final else len(text) - self._hold
-        return self._emit(text, max(end, self._sent)), False
+        return self._emit(text, max(end, self._sent)), None
 
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for s in self._stop if (i := text.find(s, self._searched)) >= 0]
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """Where the first stop string in the text starts, and which it is."""
+        hits = [(i, s) for s in self._stop if (i := text.find(s, self._searched)) >= 0]
         # NOTE: a stop string that starts before the searched mark was already excluded, so the
         # next search may start `hold` characters back from the end.
         self._searched = max(0, len(text) - self._hold)

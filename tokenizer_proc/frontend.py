@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -142,6 +143,16 @@ class Frontend:
         entry = Entry(owner, chunks=asyncio.Queue())
         await self._admit(msg, entry)
         return entry
+
+    async def count_tokens(self, msg: tt.Generate) -> int:
+        """The prompt tokens `msg` would take (chat template applied), however long: the same
+        limits on its size as a request's, the tokenizer pool for long ones."""
+        chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
+        args = (msg, self.tokenizer, self.core.limits.vocab_size, sys.maxsize)
+        if not _needs_pool(msg, chars):
+            return len(prepare.token_ids(*args))
+        loop = asyncio.get_running_loop()
+        return len(await loop.run_in_executor(self._pool, prepare.token_ids, *args))
 
     def abort(self, rid: str, owner: Hashable | None) -> None:
         if self.core.abort(rid, owner):

@@ -28,8 +28,9 @@ from engine.errors import (
     Unauthorized,
 )
 from engine.messages import to_client as tc
+from engine.messages import to_tokenizer as tt
 from engine.wire_errors import to_exception
-from tokenizer_proc import limits, openai_api, tool_calls
+from tokenizer_proc import anthropic_api, limits, openai_api, tool_calls
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.requests import Entry
 
@@ -81,6 +82,25 @@ def error_body(message: str, kind: str, param: str | None = None, code: Any = No
     return msgspec.json.encode({"error": error})
 
 
+# HTTP status -> Anthropic's error type, for the /v1/messages routes
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error(message: str, status: int) -> web.Response:
+    body = anthropic_api.error_body(message, ANTHROPIC_TYPES.get(status, "api_error"))
+    return _json_response(msgspec.json.encode(body), status)
+
+
 def error_response(e: EngineError) -> web.Response:
     status, kind, code = STATUS.get(type(e), (500, "server_error", None))
     param = e.field if isinstance(e, InvalidRequest) else None
@@ -105,6 +125,8 @@ class HttpApi:
             [
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completion),
+                web.post("/v1/messages", self._messages),
+                web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/health_generate", self._health_generate),
@@ -133,12 +155,18 @@ class HttpApi:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Every error in OpenAI's format; bad input is never a 500."""
+        """Every error in its API's format (Anthropic's on /v1/messages, else OpenAI's); bad
+        input is never a 500."""
+        anthropic = request.path.startswith("/v1/messages")
         try:
             return await handler(request)
         except EngineError as e:
+            if anthropic:
+                return anthropic_error(str(e), STATUS.get(type(e), (500,))[0])
             return error_response(e)
         except web.HTTPException as e:  # 404, 405, 413 raised by aiohttp itself
+            if anthropic:
+                return anthropic_error(e.reason, e.status)
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             code = "request_too_large" if e.status == 413 else None
             return _json_response(error_body(e.reason, kind, None, code), e.status)
@@ -147,7 +175,8 @@ class HttpApi:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         header = request.headers.get("Authorization", "")
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
-        self.core.check_key(key)
+        # NOTE: Anthropic's clients send the key as x-api-key
+        self.core.check_key(key or request.headers.get("x-api-key"))
         return await handler(request)
 
     # --- OpenAI endpoints -----------------------------------------------------------------------
@@ -177,6 +206,33 @@ class HttpApi:
             if rid in self.core.table:  # NOTE: still running: the client went away
                 log.info("rid=%s HTTP client gone; aborting", rid)
                 self.fe.abort(rid, owner)
+
+    # --- Anthropic endpoints --------------------------------------------------------------------
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request, self.fe.config)
+        rid = f"http-{uuid.uuid4().hex}"
+        req = anthropic_api.parse(body, rid, self.core.limits.model)
+        owner = ("http", rid)
+        try:
+            entry = await self.fe.submit(req.generate, owner)
+        except InvalidRequest as e:
+            raise InvalidRequest(ANTHROPIC_NAMES.get(e.field, e.field), e.message) from None
+        reply = MessagesReply(req, self.tokenizer)
+        try:
+            if req.stream:
+                return await reply.stream(request, entry)
+            return _json_response(msgspec.json.encode(await reply.whole(entry)))
+        finally:
+            if rid in self.core.table:  # NOTE: still running: the client went away
+                log.info("rid=%s HTTP client gone; aborting", rid)
+                self.fe.abort(rid, owner)
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        body = await _json_body(request, self.fe.config)
+        messages, tools = anthropic_api.parse_count(body)
+        n = await self.fe.count_tokens(tt.Generate("count", messages=messages, tools=tools))
+        return _json_response(msgspec.json.encode({"input_tokens": n}))
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {
@@ -324,6 +380,88 @@ class Reply:
             out += _event(self.fmt.usage_chunk(msg))
         out += DONE
         return True
+
+
+class MessagesReply:
+    """One /v1/messages request's replies: a message object, or its stream of events."""
+
+    def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
+        self.req = req
+        self.fmt = anthropic_api.Formatter(req)
+        self.tools = tool_calls.for_request(tokenizer, req.generate.tools)
+
+    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
+        if self.tools is None:
+            return chunk.text, []
+        text, calls = self.tools.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            rest, more = self.tools.finish()
+            text, calls = text + rest, calls + more
+        return text, calls
+
+    async def whole(self, entry: Entry) -> dict[str, Any]:
+        text, calls = [], []
+        while True:
+            chunk = _chunk(await entry.replies().get())
+            piece, new_calls = self._text(chunk)
+            text.append(piece)
+            calls += new_calls
+            if chunk.finish_reason is not None:
+                _check_finish(chunk)
+                return self.fmt.whole("".join(text), chunk, calls)
+
+    async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
+        queue = entry.replies()
+        # NOTE: as for OpenAI's streams: nothing is sent before the engine's first answer, so a
+        # refusal after admission still gets its HTTP status.
+        first = _chunk(await queue.get())
+        events = anthropic_api.Events(self.fmt)
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        out = bytearray(events.start(first))
+        try:
+            done = self._events(events, first, out)
+            while True:
+                while not done and not queue.empty():
+                    done = self._events(events, queue.get_nowait(), out)
+                await resp.write(bytes(out))
+                if done:
+                    break
+                out = bytearray()
+                done = self._events(events, await queue.get(), out)
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("rid=%s HTTP client gone mid-stream", self.req.generate.rid)
+        return resp
+
+    def _events(
+        self, events: anthropic_api.Events, msg: tc.Chunk | tc.Failure, out: bytearray
+    ) -> bool:
+        """Append the events of one engine message; True when it ends the stream."""
+        if isinstance(msg, tc.Failure):
+            out += _anthropic_error_event(to_exception(msg))
+            return True
+        text, calls = self._text(msg)
+        out += events.text(text)
+        for call in calls:
+            out += events.tool_call(call)
+        if msg.finish_reason is None:
+            return False
+        if msg.finish_reason in ("stop", "length"):
+            out += events.finish(msg)
+        else:
+            out += _anthropic_error_event(_finish_error(msg))
+        return True
+
+
+# engine field -> the Messages API's name for it
+ANTHROPIC_NAMES = {"stop": "stop_sequences"}
+
+
+def _anthropic_error_event(e: EngineError) -> bytes:
+    status = STATUS.get(type(e), (500,))[0]
+    kind = ANTHROPIC_TYPES.get(status, "api_error")
+    return anthropic_api.event("error", anthropic_api.error_body(str(e), kind))
 
 
 def _chunk(msg: tc.Chunk | tc.Failure) -> tc.Chunk:

@@ -42,6 +42,7 @@ class Chunk(Message):
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
     error: str | None = None  # why, when finish_reason is "error"
+    stop: str | None = None  # the stop string that ended the text (finish_reason "stop")
 
 
 class Failure(Message):

@@ -1,4 +1,4 @@
-"""Generated HTTP requests for fuzzing the OpenAI API: hostile values in every field (wrong types,
+"""Generated HTTP requests for fuzzing the OpenAI and Anthropic APIs: hostile values in every field (wrong types,
 huge, negative and non-finite numbers, deep nesting), unknown fields, malformed and truncated JSON,
 bad headers and content types, broken framing, wrong methods and paths, and a few valid requests.
 
@@ -21,7 +21,8 @@ from typing import Any
 MAX_PROBE_BYTES = 1 << 20
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-PATHS = [CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics", "/v1/nothing", "/",
+MESSAGES = "/v1/messages"  # NOTE: Anthropic's Messages API
+PATHS = [CHAT, COMPLETIONS, MESSAGES, "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/v1/nothing", "/",
          "/v1/completions/", "//v1/completions", "/v1/chat/completions?x=1&x=2", "/%ff%00",
          "/v1/../v1/models", "/" + "a" * 5000, "*"]  # fmt: skip
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "BREW", "post"]
@@ -29,7 +30,8 @@ FIELDS = ["messages", "prompt", "max_tokens", "max_completion_tokens", "temperat
           "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
           "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs",
           "top_logprobs", "tools", "tool_choice", "n", "best_of", "echo", "logit_bias",
-          "response_format", "model", "user", "parallel_tool_calls", "metadata"]  # fmt: skip
+          "response_format", "model", "user", "parallel_tool_calls", "metadata", "system",
+          "stop_sequences", "thinking", "cache_control", "output_config"]  # fmt: skip
 CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                  "multipart/form-data; boundary=zz", "application/json; charset=latin-1",
                  "application/json; charset=bogus", "", "\x7f", "a" * 300]  # fmt: skip
@@ -53,7 +55,8 @@ class Probe:
 
 def probes(seed: int, n: int) -> Iterator[Probe]:
     rng = random.Random(seed)
-    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_unknown_field, _bad_json, _bad_json,
+    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_unknown_field,
+              _bad_json, _bad_json,
               _deep, _bad_headers, _bad_headers, _truncated, _method_path, _method_path,
               _bad_framing, _valid, _abandoned]  # fmt: skip
     for i in range(n):
@@ -64,9 +67,9 @@ def probes(seed: int, n: int) -> Iterator[Probe]:
 
 
 def _base(rng: random.Random) -> tuple[str, dict[str, Any]]:
-    if rng.random() < 0.5:
+    if rng.random() < 0.6:
         body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
-        path = CHAT
+        path = CHAT if rng.random() < 0.6 else MESSAGES
     else:
         body, path = {"prompt": rng.choice(["hi", [1, 2, 3]])}, COMPLETIONS
     body["max_tokens"] = rng.randint(1, 3)
@@ -131,6 +134,29 @@ def _bad_messages(rng: random.Random) -> Probe:
             else [{"type": "function", "function": _hostile(rng)}]
         )
     return _post(CHAT, body, "hostile messages")
+
+
+def _bad_blocks(rng: random.Random) -> Probe:
+    """Anthropic content blocks with hostile fields: text, tool_use, tool_result, others."""
+    kinds = ["text", "tool_use", "tool_result", "image", "document", "thinking", ""]
+    blocks = []
+    for _ in range(rng.randint(1, 4)):
+        block: dict[str, Any] = {"type": rng.choice(kinds), "text": "x", "id": "t", "name": "f"}
+        block.update({"input": {}, "tool_use_id": "t", "content": "ok"})
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(["type", "text", "id", "name", "input", "tool_use_id", "content"])
+            block[key] = _hostile(rng)
+        blocks.append(block)
+    role = rng.choice(["user", "assistant", "system", _hostile(rng, 0)])
+    body: dict[str, Any] = {"messages": [{"role": role, "content": blocks}], "max_tokens": 2}
+    if rng.random() < 0.3:
+        body["system"] = _hostile(rng) if rng.random() < 0.5 else blocks
+    if rng.random() < 0.3:
+        tool = {"name": "f", "input_schema": {"type": "object"}}
+        tool[rng.choice(["name", "input_schema", "type", "description"])] = _hostile(rng)
+        body["tools"] = rng.choice([[tool], tool, _hostile(rng)])
+    path = MESSAGES if rng.random() < 0.8 else "/v1/messages/count_tokens"
+    return _post(path, body, "hostile content blocks")
 
 
 def _unknown_field(rng: random.Random) -> Probe:
