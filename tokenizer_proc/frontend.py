@@ -144,15 +144,22 @@ class Frontend:
         await self._admit(msg, entry)
         return entry
 
-    async def count_tokens(self, msg: tt.Generate) -> int:
+    async def tokenize(self, msg: tt.Generate, generation_prompt: bool = True) -> list[int]:
         """The prompt tokens `msg` would take (chat template applied), however long: the same
         limits on its size as a request's, the tokenizer pool for long ones."""
         chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
-        args = (msg, self.tokenizer, self.core.limits.vocab_size, sys.maxsize)
+        args = (msg, self.tokenizer, self.core.limits.vocab_size, sys.maxsize, generation_prompt)
         if not _needs_pool(msg, chars):
-            return len(prepare.token_ids(*args))
+            return prepare.token_ids(*args)
         loop = asyncio.get_running_loop()
-        return len(await loop.run_in_executor(self._pool, prepare.token_ids, *args))
+        return await loop.run_in_executor(self._pool, prepare.token_ids, *args)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """Token ids as text (the tokenizer pool for long lists)."""
+        if len(ids) < INLINE_CHARS // 4:
+            return str(self.tokenizer.decode(ids))
+        loop = asyncio.get_running_loop()
+        return str(await loop.run_in_executor(self._pool, self.tokenizer.decode, ids))
 
     def abort(self, rid: str, owner: Hashable | None) -> None:
         if self.core.abort(rid, owner):

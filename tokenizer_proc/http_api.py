@@ -128,6 +128,9 @@ class HttpApi:
                 web.post("/v1/messages", self._messages),
                 web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.get("/v1/models", self._models),
+                web.get("/v1/models/{model}", self._model),
+                web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
                 web.get("/health", self._health),
                 web.get("/health_generate", self._health_generate),
                 web.get("/metrics", self._metrics),
@@ -231,18 +234,43 @@ class HttpApi:
     async def _count_tokens(self, request: web.Request) -> web.Response:
         body = await _json_body(request, self.fe.config)
         messages, tools = anthropic_api.parse_count(body)
-        n = await self.fe.count_tokens(tt.Generate("count", messages=messages, tools=tools))
-        return _json_response(msgspec.json.encode({"input_tokens": n}))
+        ids = await self.fe.tokenize(tt.Generate("count", messages=messages, tools=tools))
+        return _json_response(msgspec.json.encode({"input_tokens": len(ids)}))
+
+    # --- utility endpoints ----------------------------------------------------------------------
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request, self.fe.config)
+        msg, generation_prompt = openai_api.parse_tokenize(body)
+        ids = await self.fe.tokenize(msg, generation_prompt)
+        reply = {"count": len(ids), "max_model_len": self.core.limits.max_context, "tokens": ids}
+        return _json_response(msgspec.json.encode(reply))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await _json_body(request, self.fe.config)
+        ids = openai_api.parse_detokenize(body, self.core.limits.vocab_size)
+        text = await self.fe.detokenize(ids)
+        return _json_response(msgspec.json.encode({"prompt": text}))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.core.limits.model:
+            body = error_body(f"no model {name!r} here", "invalid_request_error", "model", None)
+            return _json_response(body, 404)
+        return _json_response(msgspec.json.encode(self._model_object()))
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {
+        body = {"object": "list", "data": [self._model_object()]}
+        return _json_response(msgspec.json.encode(body))
+
+    def _model_object(self) -> dict[str, Any]:
+        return {
             "id": self.core.limits.model,
             "object": "model",
             "created": 0,
             "owned_by": "mlx-engine",
             "max_model_len": self.core.limits.max_context,
         }
-        return _json_response(msgspec.json.encode({"object": "list", "data": [model]}))
 
     # --- health and metrics ---------------------------------------------------------------------
 

@@ -197,6 +197,40 @@ def _completion_input(gen: tt.Generate, body: dict[str, Any]) -> None:
         raise InvalidRequest("prompt", "must be a string or a list of token ids (one prompt)")
 
 
+# --- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------
+
+TOKENIZE = {"model", "prompt", "messages", "tools", "add_generation_prompt"}
+
+
+def parse_tokenize(body: Any) -> tuple[tt.Generate, bool]:
+    """(the prompt or chat to tokenize, whether a chat ends with the assistant's turn opened)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    body = {k: v for k, v in body.items() if v is not None}
+    _check_fields(body, TOKENIZE)
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidRequest("prompt", "give exactly one of prompt and messages")
+    generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(generation_prompt, bool):
+        raise InvalidRequest("add_generation_prompt", "must be a boolean")
+    gen = tt.Generate("tokenize")
+    if "prompt" in body:
+        _completion_input(gen, body)
+    else:
+        _chat_input(gen, body)
+    return gen, generation_prompt
+
+
+def parse_detokenize(body: Any, vocab: int) -> list[int]:
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    _check_fields(body, {"model", "tokens"})
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
+        raise InvalidRequest("tokens", f"must be a list of token ids in [0, {vocab})")
+    return list(ids)
+
+
 # --- responses ----------------------------------------------------------------------------------
 
 

@@ -38,7 +38,11 @@ def _is_tool(tool: Any) -> bool:
     )
 
 
-def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) -> list[int]:
+def token_ids(
+    req: Generate, tokenizer: Any, vocab_size: int, max_context: int, generation_prompt: bool = True
+) -> list[int]:
+    """`generation_prompt`: a chat's template ends with the assistant's turn opened (for
+    `/tokenize`, optional)."""
     source = source_of(req)
     if req.tools is not None:
         check_tools(req.tools)
@@ -46,7 +50,7 @@ def token_ids(req: Generate, tokenizer: Any, vocab_size: int, max_context: int) 
             raise InvalidRequest("tools", "tools need messages (a chat)")
     # NOTE: source_of() made sure exactly one of the three is given.
     if req.messages is not None:
-        ids = _from_messages(req.messages, tokenizer, req.tools)
+        ids = _from_messages(req.messages, tokenizer, req.tools, generation_prompt)
     elif req.prompt is not None:
         ids = _from_prompt(req.prompt, tokenizer)
     else:
@@ -67,7 +71,10 @@ def _from_prompt(prompt: str, tokenizer: Any) -> list[int]:
 
 
 def _from_messages(
-    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None,
+    generation_prompt: bool = True,
 ) -> list[int]:
     if not messages:
         raise InvalidRequest("messages", "must not be empty")
@@ -79,7 +86,9 @@ def _from_messages(
         raise InvalidRequest("tools", "this model's chat template has no tool calling")
     extra = {"tools": tools} if tools else {}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, **extra
+        )
     except Exception as e:  # NOTE: a template raises anything (jinja errors included)
         raise InvalidRequest("messages", f"chat template failed: {e}") from None
     return list(ids)

@@ -22,7 +22,8 @@ MAX_PROBE_BYTES = 1 << 20
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = "/v1/messages"  # NOTE: Anthropic's Messages API
-PATHS = [CHAT, COMPLETIONS, MESSAGES, "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/v1/nothing", "/",
+PATHS = [CHAT, COMPLETIONS, MESSAGES, "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+         "/v1/models/x", "/v1/models/%00", "/v1/models", "/health", "/metrics", "/v1/nothing", "/",
          "/v1/completions/", "//v1/completions", "/v1/chat/completions?x=1&x=2", "/%ff%00",
          "/v1/../v1/models", "/" + "a" * 5000, "*"]  # fmt: skip
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "BREW", "post"]
@@ -55,7 +56,8 @@ class Probe:
 
 def probes(seed: int, n: int) -> Iterator[Probe]:
     rng = random.Random(seed)
-    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_unknown_field,
+    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_utility,
+              _unknown_field,
               _bad_json, _bad_json,
               _deep, _bad_headers, _bad_headers, _truncated, _method_path, _method_path,
               _bad_framing, _valid, _abandoned]  # fmt: skip
@@ -157,6 +159,16 @@ def _bad_blocks(rng: random.Random) -> Probe:
         body["tools"] = rng.choice([[tool], tool, _hostile(rng)])
     path = MESSAGES if rng.random() < 0.8 else "/v1/messages/count_tokens"
     return _post(path, body, "hostile content blocks")
+
+
+def _bad_utility(rng: random.Random) -> Probe:
+    """/tokenize and /detokenize with hostile fields."""
+    if rng.random() < 0.5:
+        body: dict[str, Any] = {rng.choice(["prompt", "messages"]): _hostile(rng)}
+        if rng.random() < 0.3:
+            body["add_generation_prompt"] = _hostile(rng, 0)
+        return _post("/tokenize", body, "hostile tokenize")
+    return _post("/detokenize", {"tokens": _hostile(rng)}, "hostile detokenize")
 
 
 def _unknown_field(rng: random.Random) -> Probe:
