@@ -77,6 +77,21 @@ class LaunchedEngine:
         self._log.close()
 
 
+def post_json(engine: LaunchedEngine, path: str, body: Any, **headers: str) -> tuple[int, Any]:
+    """One JSON POST to the engine's HTTP port: (status, decoded reply)."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=30)
+    try:
+        hdrs = {"Content-Type": "application/json", **headers}
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
 def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
     try:
         os.kill(pid, sig)

@@ -5,15 +5,13 @@ streamed messages, system prompts and content blocks through the chat template, 
 
 from __future__ import annotations
 
-import http.client
-import json
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
-from engine_harness import LaunchedEngine, bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, post_json  # noqa: F401
 
 from engine.tokenizer_loader import load_tokenizer
 
@@ -40,14 +38,7 @@ def client(engine) -> anthropic.Anthropic:
 
 
 def post(engine, path: str, body: Any, **headers: str) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=30)
-    try:
-        hdrs = {"Content-Type": "application/json", "x-api-key": KEY, **headers}
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        conn.close()
+    return post_json(engine, path, body, **{"x-api-key": KEY, **headers})
 
 
 def test_a_message_matches_the_chat_completion_of_the_same_conversation(engine, client):

@@ -3,14 +3,11 @@ chat template on request) and `GET /v1/models/{id}` (the `openai` client's `mode
 
 from __future__ import annotations
 
-import http.client
-import json
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
-from engine_harness import LaunchedEngine, bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, post_json  # noqa: F401
 
 from engine.tokenizer_loader import load_tokenizer
 
@@ -31,35 +28,26 @@ def tok(tiny_model_dir: Path):
     return load_tokenizer(tiny_model_dir)
 
 
-def post(engine, path: str, body: Any) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=30)
-    try:
-        headers = {"Content-Type": "application/json"}
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
-        r = conn.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        conn.close()
-
-
 def test_tokenize_a_prompt_and_a_chat(engine, tok):
-    status, reply = post(engine, "/tokenize", {"prompt": "Hello there"})
+    status, reply = post_json(engine, "/tokenize", {"prompt": "Hello there"})
     assert status == 200, reply
     assert reply["tokens"] == list(tok.encode("Hello there")) and reply["count"] == len(
         reply["tokens"]
     )
     assert reply["max_model_len"] > 0
-    status, reply = post(engine, "/tokenize", {"messages": CHAT})
+    status, reply = post_json(engine, "/tokenize", {"messages": CHAT})
     assert status == 200, reply
     assert reply["tokens"] == list(tok.apply_chat_template(CHAT, add_generation_prompt=True))
-    status, bare = post(engine, "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    status, bare = post_json(
+        engine, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}
+    )
     assert bare["tokens"] == list(tok.apply_chat_template(CHAT, add_generation_prompt=False))
     assert bare["count"] < reply["count"]
 
 
 def test_detokenize_gives_back_the_text(engine, tok):
     ids = list(tok.encode("Hello there, friend"))
-    status, reply = post(engine, "/detokenize", {"tokens": ids})
+    status, reply = post_json(engine, "/detokenize", {"tokens": ids})
     assert status == 200 and reply["prompt"] == tok.decode(ids), reply
 
 
@@ -78,7 +66,7 @@ def test_detokenize_gives_back_the_text(engine, tok):
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(engine, path, body, field):
-    status, reply = post(engine, path, body)
+    status, reply = post_json(engine, path, body)
     assert status == 400 and reply["error"]["param"] == field, reply
 
 

@@ -195,41 +195,39 @@ class HttpApi:
         facts = self.core.limits
         rid = f"http-{uuid.uuid4().hex}"
         req = openai_api.parse(kind, body, rid, facts.max_context, facts.model)
-        owner = ("http", rid)
-        try:
-            entry = await self.fe.submit(req.generate, owner)
-        except InvalidRequest as e:
-            raise InvalidRequest(req.renamed.get(e.field, e.field), e.message) from None
         reply = Reply(req, openai_api.Formatter(req, self.tokenizer), self.tokenizer)
+        return await self._serve(request, req.generate, req.renamed, reply, req.stream)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        gen: tt.Generate,
+        renamed: dict[str, str],
+        reply: Reply | MessagesReply,
+        stream: bool,
+    ) -> web.StreamResponse:
+        """Submit, then answer whole or streamed; `renamed`: engine field -> the API's name."""
+        owner = ("http", gen.rid)
         try:
-            if req.stream:
+            entry = await self.fe.submit(gen, owner)
+        except InvalidRequest as e:
+            raise InvalidRequest(renamed.get(e.field, e.field), e.message) from None
+        try:
+            if stream:
                 return await reply.stream(request, entry)
             return _json_response(msgspec.json.encode(await reply.whole(entry)))
         finally:
-            if rid in self.core.table:  # NOTE: still running: the client went away
-                log.info("rid=%s HTTP client gone; aborting", rid)
-                self.fe.abort(rid, owner)
+            if gen.rid in self.core.table:  # NOTE: still running: the client went away
+                log.info("rid=%s HTTP client gone; aborting", gen.rid)
+                self.fe.abort(gen.rid, owner)
 
     # --- Anthropic endpoints --------------------------------------------------------------------
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, self.fe.config)
-        rid = f"http-{uuid.uuid4().hex}"
-        req = anthropic_api.parse(body, rid, self.core.limits.model)
-        owner = ("http", rid)
-        try:
-            entry = await self.fe.submit(req.generate, owner)
-        except InvalidRequest as e:
-            raise InvalidRequest(ANTHROPIC_NAMES.get(e.field, e.field), e.message) from None
+        req = anthropic_api.parse(body, f"http-{uuid.uuid4().hex}", self.core.limits.model)
         reply = MessagesReply(req, self.tokenizer)
-        try:
-            if req.stream:
-                return await reply.stream(request, entry)
-            return _json_response(msgspec.json.encode(await reply.whole(entry)))
-        finally:
-            if rid in self.core.table:  # NOTE: still running: the client went away
-                log.info("rid=%s HTTP client gone; aborting", rid)
-                self.fe.abort(rid, owner)
+        return await self._serve(request, req.generate, ANTHROPIC_NAMES, reply, req.stream)
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         body = await _json_body(request, self.fe.config)
@@ -322,13 +320,12 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
         raise limits.nesting_error(config, "body") from None
 
 
-class Reply:
-    """One request's replies, turned into OpenAI objects: whole, or streamed as SSE."""
+class _ToolText:
+    """A reply's text and tool calls, chunk by chunk (the tool-call parser when tools were
+    offered)."""
 
-    def __init__(self, req: openai_api.Request, fmt: openai_api.Formatter, tokenizer: Any) -> None:
-        self.req = req
-        self.fmt = fmt
-        self.tools = tool_calls.for_request(tokenizer, req.generate.tools)
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+        self.tools = tool_calls.for_request(tokenizer, tools)
         self.calls = 0
 
     def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
@@ -341,6 +338,15 @@ class Reply:
             text, calls = text + rest, calls + more
         self.calls += len(calls)
         return text, calls
+
+
+class Reply(_ToolText):
+    """One request's replies, turned into OpenAI objects: whole, or streamed as SSE."""
+
+    def __init__(self, req: openai_api.Request, fmt: openai_api.Formatter, tokenizer: Any) -> None:
+        super().__init__(tokenizer, req.generate.tools)
+        self.req = req
+        self.fmt = fmt
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         text, logprobs, calls = [], [], []
@@ -410,22 +416,13 @@ class Reply:
         return True
 
 
-class MessagesReply:
+class MessagesReply(_ToolText):
     """One /v1/messages request's replies: a message object, or its stream of events."""
 
     def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
+        super().__init__(tokenizer, req.generate.tools)
         self.req = req
         self.fmt = anthropic_api.Formatter(req)
-        self.tools = tool_calls.for_request(tokenizer, req.generate.tools)
-
-    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
-        if self.tools is None:
-            return chunk.text, []
-        text, calls = self.tools.feed(chunk.text)
-        if chunk.finish_reason is not None:
-            rest, more = self.tools.finish()
-            text, calls = text + rest, calls + more
-        return text, calls
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         text, calls = [], []
