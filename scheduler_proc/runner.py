@@ -263,9 +263,9 @@ class Runner:
             return
         for kv_len in lad.kv:
             for n, width in pairs:
-                if kv_len > lad.pad_kv(width) and n * width * kv_len <= scores_limit:
-                    if n * kv_len <= held:
-                        yield self._warm_prefill(n, width, kv_len)
+                longer = kv_len > lad.pad_kv(width)
+                if longer and n * width * kv_len <= scores_limit and n * kv_len <= held:
+                    yield self._warm_prefill(n, width, kv_len)
 
     def _warm_decode(self, n: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
         # NOTE: no real token, so every write goes to the scratch page and slot, and every read

@@ -60,32 +60,31 @@ class StepTimes:
                 new,
                 _after(before),
             )
-        elif dt > _STALL_S and len(times) < _MIN_SAMPLES:
-            self.slow_steps += 1
-            log.warning(
-                "step %d (%s, %d rows) took %.0f ms (%s)",
-                batch.step_index,
-                kind,
-                len(batch.rows),
-                dt * 1e3,
-                _after(before),
-            )
-        elif dt > _MIN_SLOW_S and len(times) >= _MIN_SAMPLES:
-            median = statistics.median(times)
-            if dt > SLOW_FACTOR * median:
+        else:
+            slow = self._slow(dt, times, kind)
+            if slow is not None:
                 self.slow_steps += 1
                 log.warning(
-                    "step %d (%s, %d rows) took %.0f ms, %.0fx the median %s step (%s)",
+                    "step %d (%s, %d rows) took %.0f ms%s (%s)",
                     batch.step_index,
                     kind,
                     len(batch.rows),
                     dt * 1e3,
-                    dt / median,
-                    kind,
+                    slow,
                     _after(before),
                 )
         if not before:
             times.append(dt)
+
+    @staticmethod
+    def _slow(dt: float, times: deque[float], kind: str) -> str | None:
+        """Why a step is worth a log line ("" before its kind has a median), or None."""
+        if dt <= _MIN_SLOW_S:  # NOTE: most steps: no median computed
+            return None
+        if len(times) < _MIN_SAMPLES:
+            return "" if dt > _STALL_S else None
+        median = statistics.median(times)
+        return f", {dt / median:.0f}x the median {kind} step" if dt > SLOW_FACTOR * median else None
 
     def stats(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {

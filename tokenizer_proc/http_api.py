@@ -96,6 +96,10 @@ ANTHROPIC_TYPES = {
 }
 
 
+def status_of(e: EngineError) -> int:
+    return STATUS.get(type(e), (500, "server_error", None))[0]
+
+
 def anthropic_error(message: str, status: int) -> web.Response:
     body = anthropic_api.error_body(message, ANTHROPIC_TYPES.get(status, "api_error"))
     return _json_response(msgspec.json.encode(body), status)
@@ -165,7 +169,7 @@ class HttpApi:
             return await handler(request)
         except EngineError as e:
             if anthropic:
-                return anthropic_error(str(e), STATUS.get(type(e), (500,))[0])
+                return anthropic_error(str(e), status_of(e))
             return error_response(e)
         except web.HTTPException as e:  # 404, 405, 413 raised by aiohttp itself
             if anthropic:
@@ -320,46 +324,22 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
         raise limits.nesting_error(config, "body") from None
 
 
-class _ToolText:
-    """A reply's text and tool calls, chunk by chunk (the tool-call parser when tools were
-    offered)."""
+class _Reply:
+    """What both APIs' replies share: text and tool calls chunk by chunk (the tool-call parser
+    when tools were offered), and the SSE stream; each API's subclass says what its stream opens
+    with (`_opening`) and what one engine message adds (`_events`)."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(self, rid: str, tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+        self.rid = rid
         self.tools = tool_calls.for_request(tokenizer, tools)
         self.calls = 0
 
-    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
-        """The chunk's content and tool calls (the tool-call parser holds back marker text)."""
-        if self.tools is None:
-            return chunk.text, []
-        text, calls = self.tools.feed(chunk.text)
-        if chunk.finish_reason is not None:
-            rest, more = self.tools.finish()
-            text, calls = text + rest, calls + more
-        self.calls += len(calls)
-        return text, calls
+    def _opening(self, first: tc.Chunk) -> bytes:
+        return b""
 
-
-class Reply(_ToolText):
-    """One request's replies, turned into OpenAI objects: whole, or streamed as SSE."""
-
-    def __init__(self, req: openai_api.Request, fmt: openai_api.Formatter, tokenizer: Any) -> None:
-        super().__init__(tokenizer, req.generate.tools)
-        self.req = req
-        self.fmt = fmt
-
-    async def whole(self, entry: Entry) -> dict[str, Any]:
-        text, logprobs, calls = [], [], []
-        while True:
-            chunk = _chunk(await entry.replies().get())
-            piece, new_calls = self._text(chunk)
-            text.append(piece)
-            calls += new_calls
-            if (lp := self.fmt.logprobs(chunk)) is not None:
-                logprobs.append(lp)
-            if chunk.finish_reason is not None:
-                _check_finish(chunk)
-                return self.fmt.whole("".join(text), chunk, logprobs, calls)
+    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
+        """Append the SSE events of one engine message; True when it ends the stream."""
+        raise NotImplementedError
 
     async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
         queue = entry.replies()
@@ -368,15 +348,13 @@ class Reply(_ToolText):
         first = _chunk(await queue.get())
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        out = bytearray()
-        if self.req.kind == "chat":
-            out += _event(self.fmt.stream_chunk(role=True))
+        out = bytearray(self._opening(first))
         try:
             await self._send_events(resp, queue, self._events(first, out), out)
         except ConnectionResetError:
             # NOTE: the client left and its stream went on (it ended, or the handler was not
             # cancelled yet); the caller's `finally` aborts what is still running.
-            log.info("rid=%s HTTP client gone mid-stream", self.req.generate.rid)
+            log.info("rid=%s HTTP client gone mid-stream", self.rid)
         return resp
 
     async def _send_events(
@@ -393,8 +371,43 @@ class Reply(_ToolText):
             done = self._events(await queue.get(), out)
         await resp.write_eof()
 
+    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
+        """The chunk's content and tool calls (the tool-call parser holds back marker text)."""
+        if self.tools is None:
+            return chunk.text, []
+        text, calls = self.tools.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            rest, more = self.tools.finish()
+            text, calls = text + rest, calls + more
+        self.calls += len(calls)
+        return text, calls
+
+
+class Reply(_Reply):
+    """One request's replies, turned into OpenAI objects: whole, or streamed as SSE."""
+
+    def __init__(self, req: openai_api.Request, fmt: openai_api.Formatter, tokenizer: Any) -> None:
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
+        self.req = req
+        self.fmt = fmt
+
+    async def whole(self, entry: Entry) -> dict[str, Any]:
+        text, logprobs, calls = [], [], []
+        while True:
+            chunk = _chunk(await entry.replies().get())
+            piece, new_calls = self._text(chunk)
+            text.append(piece)
+            calls += new_calls
+            if (lp := self.fmt.logprobs(chunk)) is not None:
+                logprobs.append(lp)
+            if chunk.finish_reason is not None:
+                _check_finish(chunk)
+                return self.fmt.whole("".join(text), chunk, logprobs, calls)
+
+    def _opening(self, first: tc.Chunk) -> bytes:
+        return _event(self.fmt.stream_chunk(role=True)) if self.req.kind == "chat" else b""
+
     def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
-        """Append the SSE events of one engine message; True when it ends the stream."""
         if isinstance(msg, tc.Failure):
             out += _error_event(to_exception(msg))
             out += DONE
@@ -416,13 +429,14 @@ class Reply(_ToolText):
         return True
 
 
-class MessagesReply(_ToolText):
+class MessagesReply(_Reply):
     """One /v1/messages request's replies: a message object, or its stream of events."""
 
     def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
-        super().__init__(tokenizer, req.generate.tools)
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
         self.req = req
         self.fmt = anthropic_api.Formatter(req)
+        self.events = anthropic_api.Events(self.fmt)
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         text, calls = [], []
@@ -435,45 +449,21 @@ class MessagesReply(_ToolText):
                 _check_finish(chunk)
                 return self.fmt.whole("".join(text), chunk, calls)
 
-    async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
-        queue = entry.replies()
-        # NOTE: as for OpenAI's streams: nothing is sent before the engine's first answer, so a
-        # refusal after admission still gets its HTTP status.
-        first = _chunk(await queue.get())
-        events = anthropic_api.Events(self.fmt)
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        out = bytearray(events.start(first))
-        try:
-            done = self._events(events, first, out)
-            while True:
-                while not done and not queue.empty():
-                    done = self._events(events, queue.get_nowait(), out)
-                await resp.write(bytes(out))
-                if done:
-                    break
-                out = bytearray()
-                done = self._events(events, await queue.get(), out)
-            await resp.write_eof()
-        except ConnectionResetError:
-            log.info("rid=%s HTTP client gone mid-stream", self.req.generate.rid)
-        return resp
+    def _opening(self, first: tc.Chunk) -> bytes:
+        return self.events.start(first)
 
-    def _events(
-        self, events: anthropic_api.Events, msg: tc.Chunk | tc.Failure, out: bytearray
-    ) -> bool:
-        """Append the events of one engine message; True when it ends the stream."""
+    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
         if isinstance(msg, tc.Failure):
             out += _anthropic_error_event(to_exception(msg))
             return True
         text, calls = self._text(msg)
-        out += events.text(text)
+        out += self.events.text(text)
         for call in calls:
-            out += events.tool_call(call)
+            out += self.events.tool_call(call)
         if msg.finish_reason is None:
             return False
         if msg.finish_reason in ("stop", "length"):
-            out += events.finish(msg)
+            out += self.events.finish(msg)
         else:
             out += _anthropic_error_event(_finish_error(msg))
         return True
@@ -484,8 +474,7 @@ ANTHROPIC_NAMES = {"stop": "stop_sequences"}
 
 
 def _anthropic_error_event(e: EngineError) -> bytes:
-    status = STATUS.get(type(e), (500,))[0]
-    kind = ANTHROPIC_TYPES.get(status, "api_error")
+    kind = ANTHROPIC_TYPES.get(status_of(e), "api_error")
     return anthropic_api.event("error", anthropic_api.error_body(str(e), kind))
 
 
