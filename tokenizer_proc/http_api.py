@@ -30,7 +30,7 @@ from engine.errors import (
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.wire_errors import to_exception
-from tokenizer_proc import anthropic_api, limits, openai_api, tool_calls
+from tokenizer_proc import anthropic_api, limits, openai_api, responses_api, tool_calls
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.requests import Entry
 
@@ -129,6 +129,7 @@ class HttpApi:
             [
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completion),
+                web.post("/v1/responses", self._responses),
                 web.post("/v1/messages", self._messages),
                 web.post("/v1/messages/count_tokens", self._count_tokens),
                 web.get("/v1/models", self._models),
@@ -207,7 +208,7 @@ class HttpApi:
         request: web.Request,
         gen: tt.Generate,
         renamed: dict[str, str],
-        reply: Reply | MessagesReply,
+        reply: _Reply,
         stream: bool,
     ) -> web.StreamResponse:
         """Submit, then answer whole or streamed; `renamed`: engine field -> the API's name."""
@@ -224,6 +225,14 @@ class HttpApi:
             if gen.rid in self.core.table:  # NOTE: still running: the client went away
                 log.info("rid=%s HTTP client gone; aborting", gen.rid)
                 self.fe.abort(gen.rid, owner)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request, self.fe.config)
+        facts = self.core.limits
+        rid = f"http-{uuid.uuid4().hex}"
+        req = responses_api.parse(body, rid, facts.model, facts.max_context)
+        reply = ResponsesReply(req, self.tokenizer)
+        return await self._serve(request, req.generate, RESPONSES_NAMES, reply, req.stream)
 
     # --- Anthropic endpoints --------------------------------------------------------------------
 
@@ -334,6 +343,25 @@ class _Reply:
         self.tools = tool_calls.for_request(tokenizer, tools)
         self.calls = 0
 
+    async def whole(self, entry: Entry) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def _collect(
+        self, entry: Entry, each: Any = None
+    ) -> tuple[str, tc.Chunk, list[dict[str, Any]]]:
+        """(text, last chunk, tool calls) of a whole reply; `each` sees every chunk."""
+        text, calls = [], []
+        while True:
+            chunk = _chunk(await entry.replies().get())
+            piece, new_calls = self._text(chunk)
+            text.append(piece)
+            calls += new_calls
+            if each is not None:
+                each(chunk)
+            if chunk.finish_reason is not None:
+                _check_finish(chunk)
+                return "".join(text), chunk, calls
+
     def _opening(self, first: tc.Chunk) -> bytes:
         return b""
 
@@ -392,17 +420,14 @@ class Reply(_Reply):
         self.fmt = fmt
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
-        text, logprobs, calls = [], [], []
-        while True:
-            chunk = _chunk(await entry.replies().get())
-            piece, new_calls = self._text(chunk)
-            text.append(piece)
-            calls += new_calls
+        logprobs: list[dict[str, Any]] = []
+
+        def keep(chunk: tc.Chunk) -> None:
             if (lp := self.fmt.logprobs(chunk)) is not None:
                 logprobs.append(lp)
-            if chunk.finish_reason is not None:
-                _check_finish(chunk)
-                return self.fmt.whole("".join(text), chunk, logprobs, calls)
+
+        text, final, calls = await self._collect(entry, keep)
+        return self.fmt.whole(text, final, logprobs, calls)
 
     def _opening(self, first: tc.Chunk) -> bytes:
         return _event(self.fmt.stream_chunk(role=True)) if self.req.kind == "chat" else b""
@@ -439,15 +464,7 @@ class MessagesReply(_Reply):
         self.events = anthropic_api.Events(self.fmt)
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
-        text, calls = [], []
-        while True:
-            chunk = _chunk(await entry.replies().get())
-            piece, new_calls = self._text(chunk)
-            text.append(piece)
-            calls += new_calls
-            if chunk.finish_reason is not None:
-                _check_finish(chunk)
-                return self.fmt.whole("".join(text), chunk, calls)
+        return self.fmt.whole(*await self._collect(entry))
 
     def _opening(self, first: tc.Chunk) -> bytes:
         return self.events.start(first)
@@ -469,8 +486,45 @@ class MessagesReply(_Reply):
         return True
 
 
+class ResponsesReply(_Reply):
+    """One /v1/responses request's replies: a response object, or its stream of events."""
+
+    def __init__(self, req: responses_api.Request, tokenizer: Any) -> None:
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
+        self.fmt = responses_api.Formatter(req)
+        self.events = responses_api.Events(self.fmt)
+
+    async def whole(self, entry: Entry) -> dict[str, Any]:
+        return self.fmt.whole(*await self._collect(entry))
+
+    def _opening(self, first: tc.Chunk) -> bytes:
+        return self.events.start()
+
+    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
+        if isinstance(msg, tc.Failure):
+            out += _responses_error_event(self.events, to_exception(msg))
+            return True
+        text, calls = self._text(msg)
+        out += self.events.delta(text)
+        for call in calls:
+            out += self.events.tool_call(call)
+        if msg.finish_reason is None:
+            return False
+        if msg.finish_reason in ("stop", "length"):
+            out += self.events.finish(msg)
+        else:
+            out += _responses_error_event(self.events, _finish_error(msg))
+        return True
+
+
+def _responses_error_event(events: responses_api.Events, e: EngineError) -> bytes:
+    return events.error(str(e), STATUS.get(type(e), (500, "server_error", None))[1])
+
+
 # engine field -> the Messages API's name for it
 ANTHROPIC_NAMES = {"stop": "stop_sequences"}
+# engine field -> the Responses API's name for it
+RESPONSES_NAMES = {"max_tokens": "max_output_tokens"}
 
 
 def _anthropic_error_event(e: EngineError) -> bytes:

@@ -22,7 +22,8 @@ MAX_PROBE_BYTES = 1 << 20
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = "/v1/messages"  # NOTE: Anthropic's Messages API
-PATHS = [CHAT, COMPLETIONS, MESSAGES, "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+RESPONSES = "/v1/responses"
+PATHS = [CHAT, COMPLETIONS, MESSAGES, RESPONSES, "/v1/messages/count_tokens", "/tokenize", "/detokenize",
          "/v1/models/x", "/v1/models/%00", "/v1/models", "/health", "/metrics", "/v1/nothing", "/",
          "/v1/completions/", "//v1/completions", "/v1/chat/completions?x=1&x=2", "/%ff%00",
          "/v1/../v1/models", "/" + "a" * 5000, "*"]  # fmt: skip
@@ -56,7 +57,7 @@ class Probe:
 
 def probes(seed: int, n: int) -> Iterator[Probe]:
     rng = random.Random(seed)
-    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_utility,
+    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_items] * 2 + [_bad_utility,
               _unknown_field,
               _bad_json, _bad_json,
               _deep, _bad_headers, _bad_headers, _truncated, _method_path, _method_path,
@@ -159,6 +160,24 @@ def _bad_blocks(rng: random.Random) -> Probe:
         body["tools"] = rng.choice([[tool], tool, _hostile(rng)])
     path = MESSAGES if rng.random() < 0.8 else "/v1/messages/count_tokens"
     return _post(path, body, "hostile content blocks")
+
+
+def _bad_items(rng: random.Random) -> Probe:
+    """Responses input items with hostile fields: messages, function calls and their outputs."""
+    kinds = ["message", "function_call", "function_call_output", "reasoning", ""]
+    items = []
+    for _ in range(rng.randint(1, 4)):
+        item: dict[str, Any] = {"type": rng.choice(kinds), "role": "user", "content": "x"}
+        item.update({"call_id": "c", "name": "f", "arguments": "{}", "output": "ok"})
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(["type", "role", "content", "call_id", "name", "arguments", "output"])
+            item[key] = _hostile(rng)
+        items.append(item)
+    body: dict[str, Any] = {"input": rng.choice([items, _hostile(rng)]), "max_output_tokens": 2}
+    for name in rng.sample(["instructions", "tools", "tool_choice", "text", "stream"], 2):
+        if rng.random() < 0.3:
+            body[name] = _hostile(rng)
+    return _post(RESPONSES, body, "hostile input items")
 
 
 def _bad_utility(rng: random.Random) -> Probe:
