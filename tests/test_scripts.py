@@ -44,6 +44,8 @@ def test_a_failed_venv_creation_is_not_left_behind(tmp_path):
     assert not (tmp_path / ".venv").exists()
 
 
+NO_MODEL = ("bench_kv_cache.py", "bench_decode_attention.py", "bench_prefill_attention.py")
+LAUNCHES = ("bench_agent.py",)
 SCRIPT_RUNS = {
     "bench_kv_cache.py": ["--batch", "2", "--length", "32"],
     "bench_decode_attention.py": [
@@ -63,6 +65,7 @@ SCRIPT_RUNS = {
         *("--waves", "1", "--set", "max_total_tokens=4096"),
     ],
     "bench_prefill_attention.py": ["--shapes", "2x4x16", "--heads", "4", "--kv-heads", "2"],
+    "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
     "bench_scheduler.py": [
         *("--num-requests", "2", "--max-tokens", "2", "--min-tokens", "1", "--min-prompt", "2"),
         *("--max-prompt", "8", "--concurrency", "2", "--single-tokens", "3", "--skip", "stagger"),
@@ -71,14 +74,12 @@ SCRIPT_RUNS = {
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_RUNS))
-def test_benchmark_scripts_run_on_a_tiny_model(script, tiny_weights_dir):
+def test_benchmark_scripts_run_on_a_tiny_model(script, request):
     """The benchmarks use the scheduler's internals; a tiny run keeps them from rotting."""
     argv = [sys.executable, str(ROOT / "scripts" / script), *SCRIPT_RUNS[script]]
-    if script not in (
-        "bench_kv_cache.py",
-        "bench_decode_attention.py",
-        "bench_prefill_attention.py",
-    ):
-        argv += ["--model", str(tiny_weights_dir)]
+    if script not in NO_MODEL:
+        # NOTE: a script that launches the engine needs a model with its tokenizer
+        fixture = "tiny_model_dir" if script in LAUNCHES else "tiny_weights_dir"
+        argv += ["--model", str(request.getfixturevalue(fixture))]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -44,6 +44,7 @@ FIELDS = {
     "temperature",
     "top_p",
     "top_k",
+    "ignore_eos",  # NOTE: the engine's own, as on the OpenAI routes (fixed-length benchmarks)
     "stream",
     "tools",
     "tool_choice",
@@ -67,7 +68,8 @@ def parse(body: Any, rid: str, model: str) -> Request:
     """A `POST /v1/messages` body."""
     body = _object(body)
     _check_fields(body, FIELDS)
-    params: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
+    sampling = ("temperature", "top_p", "top_k", "ignore_eos")
+    params: dict[str, Any] = {k: body[k] for k in sampling if k in body}
     if "max_tokens" not in body:
         raise InvalidRequest("max_tokens", "is required")
     params["max_tokens"] = body["max_tokens"]
