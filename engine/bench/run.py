@@ -94,10 +94,14 @@ def run_bench(cfg: BenchConfig) -> list[EngineResult]:
     work = build_workload(cfg)
     _say(f"# workload: {work.name}, {work.num_requests} requests; {info.describe()}")
     results = []
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
     for started in _servers(cfg, info):
         with started as target:
             results.append(measure(target, work, cfg))
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        # NOTE: each server's figures as soon as it is measured: a slow peer cut short (a
+        # timeout, Ctrl-C) must not take the engine's with it.
+        _say(table(results[-1:]))
+        write_json(cfg.out_dir / "bench.json", results, _meta(cfg, work, info))
     meta = _meta(cfg, work, info)
     # NOTE: table and JSON first: a failing plot must not lose the figures.
     print(table(results), flush=True)
@@ -148,13 +152,20 @@ def _servers(cfg: BenchConfig, info: Any) -> Iterator[Any]:
         port = servers.free_port()
         name = "mlx_lm.server (as shipped)"
         yield _started(name, servers.mlx_lm_command(model_dir, port), port, extra, plain)
-    if sys.platform == "linux" and info.optimized:
+    if sys.platform == "linux" and info.optimized and _mlx_on_cpu():
         from engine.cpu_backend import child_env
 
         port, f32 = servers.free_port(), servers.float32_copy(model_dir)
         name = "mlx_lm.server (engine BLAS+f32)"
         env = child_env(info, plain)
         yield _started(name, servers.mlx_lm_command(f32, port), port, extra, env)
+
+
+def _mlx_on_cpu() -> bool:
+    """Whether MLX runs on the CPU here: the BLAS + float32 peer means nothing on a GPU."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
 
 
 @contextlib.contextmanager
