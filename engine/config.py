@@ -46,6 +46,12 @@ class EngineConfig:
     max_prefill_tokens: int = _opt(
         0, "Most (padded) prompt tokens in one prefill step; 0: 8192 on a GPU, 512 on the CPU"
     )
+    long_prefill_scores: int = _opt(
+        0,
+        "While requests decode, most attention scores per head (rows x chunk x keys) of a prefill "
+        "step reading more keys than --chunked-prefill-size (a long prompt's later chunks), so "
+        "decoding requests keep their pace; 0: 2097152 on a GPU, no cap on the CPU",
+    )
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
     context_length: int = _opt(
         0, "Most tokens (prompt + generated) per request; 0: the model's own limit"
@@ -130,7 +136,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests"):
+        auto = ("chunked_prefill_size", "max_prefill_tokens", "max_running_requests")
+        for name in (*auto, "long_prefill_scores"):
             # NOTE: 0 is "auto"
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

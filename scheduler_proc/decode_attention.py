@@ -191,10 +191,13 @@ _PARTIAL = """
   }
 """
 
-# NOTE: threads (G * D, KVH, B); S splits per (row, KV head).
+# NOTE: threads (G * D, KVH, B); S splits per (row, KV head), read from the parts' shape at run
+# time: as a template constant, each split count compiled its own kernel on first use after READY
+# (H200: 1.5-3.9 s steps in a multi-turn run, every request waiting).
 _COMBINE = """
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= G * D) return;
+  const int S = m_part_shape[2];
   const float NEG_INF = __int_as_float(0xff800000);
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
@@ -216,6 +219,9 @@ _COMBINE = """
 """
 
 _scales: dict[float, mx.array] = {}
+
+# NOTE: rows of fewer keys run in one pass (`split_count`).
+SPLIT_MIN_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -241,6 +247,7 @@ class Counts:
     calls: int = 0
     masked: int = 0
     prefill_ops: int = 0  # prompt-chunk attention calls run by `prefill_attention`
+    split: int = 0  # fused calls whose rows' keys take the split path (its own kernels)
 
 
 counts = Counts()
@@ -284,12 +291,13 @@ def decode_attention(
     """softmax(q k^T * scale) v for q (B, H, 1, D) over row b's first `keys.lengths[b]` keys,
     read through `keys.table` from k, v (1, KVH, S, D); a row of length 0 (padding) gives zeros.
     `splits` per row (default: `split_count`)."""
-    if not available():
-        return _masked(q, k, v, keys, scale)
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     g = heads // kv_heads
     n = splits or split_count(b * kv_heads, keys.max_len)
+    counts.split += n > 1
+    if not available():
+        return _masked(q, k, v, keys, scale)
     template = [
         ("T", q.dtype),
         ("D", dim),
@@ -313,7 +321,7 @@ def decode_attention(
     width = min(g * dim, 256)
     return _kernel("combine")(
         inputs=parts,
-        template=[("T", q.dtype), ("D", dim), ("G", g), ("KVH", kv_heads), ("S", n)],
+        template=[("T", q.dtype), ("D", dim), ("G", g), ("KVH", kv_heads)],
         grid=(g * dim, kv_heads, b),
         threadgroup=(width, 1, 1),
         output_shapes=[q.shape],
@@ -321,7 +329,7 @@ def decode_attention(
     )[0]
 
 
-def split_count(blocks: int, max_len: int, target: int = 256, min_len: int = 1024) -> int:
+def split_count(blocks: int, max_len: int, target: int = 256, min_len: int | None = None) -> int:
     """Splits per (row, KV head): enough blocks to fill a large GPU (`target`), each split at
     least one tile of keys, a power of two up to 32; none for rows under `min_len` keys.
 
@@ -329,7 +337,7 @@ def split_count(blocks: int, max_len: int, target: int = 256, min_len: int = 102
     splits vs 65 us in one pass; the merge costs more than it saves), rows of up to 4000 keys
     much faster (B=2: 85 us in 16 splits vs 237 us; B=16: 247 vs 382 us).
     """
-    if max_len < min_len:
+    if max_len < (SPLIT_MIN_KEYS if min_len is None else min_len):
         return 1
     n = 1
     while blocks * n < target and n < 32 and (2 * n) * _TILE <= max_len:

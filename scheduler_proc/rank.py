@@ -66,6 +66,7 @@ SCHEDULER_OPTIONS = (
     "max_running_requests",
     "chunked_prefill_size",
     "max_prefill_tokens",
+    "long_prefill_scores",
     "max_total_tokens",
     "context_length",
     "max_queued_requests",

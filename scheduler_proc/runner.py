@@ -241,8 +241,11 @@ class Runner:
             yield self._warm_prefill(1, lad.widths[0], lad.pad_kv(lad.widths[0]))
             return
         # NOTE: a fused decode's keys are no dimension of its shape (`_keyless`): one per rows.
-        keys = lad.kv[:1] if self.fused_decode and not self._windows else lad.kv
+        keyless = self.fused_decode and not self._windows
+        keys = lad.kv[:1] if keyless else lad.kv
         held = self.pool.capacity * self.pool.page_size
+        if keyless and len(lad.rows) > 1:
+            yield from self._warm_split_decode(lad.rows[1])
         for n in lad.rows[1:]:  # NOTE: one row decodes on mlx-lm's own path, no shape to warm
             for kv_len in keys:
                 # NOTE: a batch reading more keys than the pages hold is rare (one long row
@@ -266,6 +269,16 @@ class Runner:
                 longer = kv_len > lad.pad_kv(width)
                 if longer and n * width * kv_len <= scores_limit and n * kv_len <= held:
                     yield self._warm_prefill(n, width, kv_len)
+
+    def _warm_split_decode(self, n: int):
+        """A fused decode over rows long enough to split (`decode_attention.split_count`).
+
+        NOTE: the split path's kernels are others than the one-pass kernel; left out, they were
+        built on the first step over 1,024 keys after READY (H200: a 3.9 s step, 16 users of a
+        multi-turn run waiting)."""
+        long = [k for k in self.ladders.kv if k >= decode_attention.SPLIT_MIN_KEYS]
+        if long:
+            yield self._warm_decode(n, long[0])
 
     def _warm_decode(self, n: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
         # NOTE: no real token, so every write goes to the scratch page and slot, and every read

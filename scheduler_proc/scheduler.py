@@ -30,7 +30,13 @@ from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
 from scheduler_proc.kv_manager import KVManager
-from scheduler_proc.prefill_plan import PrefillPlanner, body_left, due, prefill_sizes
+from scheduler_proc.prefill_plan import (
+    PrefillPlanner,
+    body_left,
+    due,
+    long_prefill_scores,
+    prefill_sizes,
+)
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.running import RunningTable
@@ -112,7 +118,11 @@ class Scheduler:
         )
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
-            self.chunk, self.prefill_budget, heads, uniform=self.runner.uniform_prefill
+            self.chunk,
+            self.prefill_budget,
+            heads,
+            uniform=self.runner.uniform_prefill,
+            beside_decode=long_prefill_scores(config, on_cpu),
         )
         self.eos = frozenset(eos_token_ids)
         self.overlap = not config.disable_overlap
@@ -211,10 +221,12 @@ class Scheduler:
             "warm_up_s": round(self.warm_up_s, 3),
             "chunked_prefill_size": self.chunk,
             "max_prefill_tokens": self.prefill_budget,
+            "long_prefill_scores": self.planner.beside_decode or 0,
             **self.step_times.stats(),
             "decode_attention_fused_calls": decode_attention.counts.calls,
             "decode_attention_masked_calls": decode_attention.counts.masked,
             "prefill_attention_ops_calls": decode_attention.counts.prefill_ops,
+            "decode_attention_split_calls": decode_attention.counts.split,
         }
 
     def shutdown(self) -> None:
@@ -403,7 +415,10 @@ class Scheduler:
 
     def _plan_chunks(self) -> list[PromptSlice]:
         todo = [r for r in self.running.prefilling() if body_left(r) > 0]
-        return self._chunks(self.planner.plan(todo, self.ladders)) if todo else []
+        if not todo:
+            return []
+        decoding = bool(self.running.n_decode)
+        return self._chunks(self.planner.plan(todo, self.ladders, decoding))
 
     def _chunks(self, plan: list[tuple[Req, int]]) -> list[PromptSlice]:
         chunks = []

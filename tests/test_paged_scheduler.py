@@ -24,6 +24,7 @@ from scheduler_util import (
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
+from scheduler_proc import decode_attention
 from scheduler_proc.kv_budget import MAX_AUTO_RUNNING, TYPICAL_REQUEST_TOKENS
 from scheduler_proc.scheduler import Scheduler
 
@@ -189,6 +190,46 @@ def test_long_prompts_take_narrower_chunks_as_their_keys_grow(llama, monkeypatch
     assert max(widths) >= 64 and min(widths) <= 32, widths
 
 
+def test_long_prompts_later_chunks_stay_small_while_others_decode(llama):
+    """While requests decode, a long prompt's later chunks (more keys than one chunk) run in
+    steps of their own within --long-prefill-scores: on an H200 such steps at the full bound
+    took the chats beside 4 prompts of 32k tokens from 7 to 50 ms between tokens. Short prompts'
+    steps keep the full bound, and with nothing decoding long chunks do too; every token as
+    mlx-lm's."""
+    limit, chunk = 32 * 256, 64
+    rng = random.Random(14)
+    reqs = [(f"long{i}", random_prompt(rng, 900), 3, 0) for i in range(2)]
+    reqs += [(f"chat{i}", random_prompt(rng, 30), 12, 0) for i in range(3)]
+    reqs += [(f"mid{i}", random_prompt(rng, 60), 12, 8) for i in range(4)]
+    reqs += [("late", random_prompt(rng, 20), 12, 60)]
+    sched = make_scheduler(
+        llama, chunked_prefill_size=chunk, max_prefill_tokens=256, long_prefill_scores=limit
+    )
+    beside: list[int] = []
+    alone: list[int] = []
+    short: list[int] = []
+
+    def on_launch(batch) -> None:
+        if not batch.chunks:
+            return
+        width = max(c.end - c.start for c in batch.chunks)
+        keys = max(c.end for c in batch.chunks)
+        scores = len(batch.chunks) * width * keys
+        if keys <= chunk:
+            short.append(scores)
+        elif sched.running.n_decode:
+            assert all(c.end > chunk for c in batch.chunks), "a short chunk in a long one's step"
+            assert scores <= limit or width <= 16
+            beside.append(width)
+        else:
+            alone.append(width)
+
+    sched.on_launch = on_launch
+    _parity(sched, llama, reqs)
+    assert beside and alone and min(beside) < chunk == max(alone), (beside, alone)
+    assert max(short) > limit, short
+
+
 def test_short_prompts_are_not_held_behind_a_long_one(llama):
     """Long prompts being prefilled in many chunks do not hold back the first tokens of short
     prompts that arrive after them."""
@@ -236,6 +277,16 @@ def test_the_warm_up_runs_every_prefill_shape_the_planner_makes(llama):
     drive(sched, arrivals)
     stats = sched.stats()
     assert stats["steps_prefill"] > 10 and stats["steps_new_shape"] == 0
+
+
+def test_the_warm_up_runs_the_split_decode_path(llama):
+    """Rows of 1,024 keys or more decode in splits, by kernels of their own: left out of the
+    warm-up, they were built on the first such step after READY (H200: a 3.9 s step, 16 users
+    waiting)."""
+    sched = make_scheduler(llama, fused_decode="on")
+    before = decode_attention.counts.split
+    bucketed(sched)
+    assert decode_attention.counts.split > before
 
 
 def test_a_shared_partly_filled_page_is_copied_in_place(llama):
