@@ -126,7 +126,7 @@ class InProcessEngine:
 
         model_dir = resolve_model_dir(self.config.model)
         model, eos = load_for_scheduler(str(model_dir), self.config)
-        self.sched = Scheduler(self.config, model, eos)
+        self.sched = Scheduler(self.config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.detok = Detokenizer(self.tokenizer)
         self.core = FrontDoor(

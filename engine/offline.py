@@ -27,8 +27,12 @@ class OfflineEngine:
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
         setup_cpu_backend(self.config)  # NOTE: logs which BLAS MLX calls, once per process
-        net, eos = load_for_scheduler(self.config.model, self.config)
-        self.scheduler = Scheduler(self.config, net, eos)
+        from engine.models import resolve_model_dir
+
+        model_dir = resolve_model_dir(self.config.model)
+        net, eos = load_for_scheduler(str(model_dir), self.config)
+        tokenizer = model_dir / "tokenizer.json"
+        self.scheduler = Scheduler(self.config, net, eos, tokenizer_file=tokenizer)
         self._ids = itertools.count()
 
     def generate(

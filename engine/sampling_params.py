@@ -33,6 +33,11 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0: none
+    # NOTE: structured output, at most one (engine/constraints.py): the output is JSON matching
+    # the schema ({"type": "object"}: any JSON object), matches the regex, or the Lark grammar.
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     @classmethod
     def parse(cls, raw: dict[str, Any], vocab_size: int | None = None) -> SamplingParams:
@@ -43,6 +48,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         except msgspec.ValidationError as e:
             raise InvalidRequest(error_field(str(e), "params"), str(e)) from None
         return params.validate(vocab_size)
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +86,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
+        if self.constrained:
+            from engine import constraints
+
+            constraints.check(self)
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids out of range [0, {vocab_size}): {bad}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler_proc.request import Req
 from scheduler_proc.sampling import Sampled, SamplerState
 
@@ -38,6 +40,7 @@ class Batch:
     decode_out: Sampled | None = None
     shape: tuple[int, ...] = ()  # its forward's (rows, width, keys), set by the runner
     new_shape: bool = False  # a shape first seen after warm-up
+    allowed: np.ndarray | None = None  # constrained rows' packed token masks (grammar.py)
 
     @property
     def rows(self) -> list[Req]:

@@ -83,7 +83,7 @@ def _create(
 
     model_dir = resolve_model_dir(config.model)
     model, eos = load_for_scheduler(str(model_dir), config)
-    scheduler = Scheduler(config, model, eos)
+    scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
     return SchedulerLoop(scheduler, endpoints, orphaned), scheduler_facts(model_dir, scheduler)
 
 

@@ -53,7 +53,13 @@ def create_rank(
     # NOTE: every collective from here on needs every rank; one that failed to start would
     # leave the others blocked, so start-up has a deadline too.
     with dog.phase("starting (KV plan, warm-up)", config.startup_timeout):
-        scheduler = Scheduler(config, model, eos, kv_agree=lambda p: agree_kv_plan(group, p))
+        scheduler = Scheduler(
+            config,
+            model,
+            eos,
+            kv_agree=lambda p: agree_kv_plan(group, p),
+            tokenizer_file=model_dir / "tokenizer.json",
+        )
     links = RootLinks(endpoints) if plan.rank == 0 else None
     loop = ReplicatedLoop(scheduler, group, dog, config.tp_step_timeout, links, orphaned)
     # NOTE: only rank 0 serves clients; a worker's READY carries no facts.

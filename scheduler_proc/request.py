@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ class Req:
     reported_finish: bool = False
     hit: Hit | None = None  # its locked cached prefix, while it runs
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    matcher: Any = None  # its llguidance matcher, when its output is constrained (grammar.py)
 
     @property
     def prompt_len(self) -> int:

@@ -12,6 +12,7 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from engine.sampling_params import SamplingParams
 from scheduler_proc import decode_attention, prefill_attention
@@ -152,7 +153,11 @@ class Runner:
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:
         rows = [row_params(r) for r in batch.rows]
-        return build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab)
+        allowed = batch.allowed
+        if allowed is not None and n > len(rows):  # NOTE: pad rows may take any token
+            pad = np.full((n - len(rows), allowed.shape[1]), -1, dtype=np.int32)
+            allowed = np.concatenate([allowed, pad])
+        return build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab, allowed)
 
     def _decode_cache(
         self, rows: list[Req], starts: list[int], n: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from engine.sampling_params import SamplingParams
 
@@ -50,9 +51,13 @@ class SamplerState:
     any_penalty: bool
     top_logprobs: int  # largest top-n asked for in the batch; 0: none
     want_logprobs: bool
+    allowed: mx.array | None = None  # (B, ceil(V / 32)) int32 packed token masks (grammar.py)
 
 
-def build_state(rows: list[RowParams], vocab: int) -> SamplerState:
+def build_state(
+    rows: list[RowParams], vocab: int, allowed: np.ndarray | None = None
+) -> SamplerState:
+    """`allowed`: packed token masks of the rows (None: no row constrained)."""
     ps = [r.params for r in rows]
     f32 = _column_f32
     any_penalty = any(_has_penalty(p) for p in ps)
@@ -76,11 +81,13 @@ def build_state(rows: list[RowParams], vocab: int) -> SamplerState:
         any_penalty=any_penalty,
         top_logprobs=max(p.logprobs for p in ps),
         want_logprobs=any(p.logprobs > 0 for p in ps),
+        allowed=None if allowed is None else mx.array(allowed),
     )
 
 
 def advance(state: SamplerState, tokens: mx.array) -> SamplerState:
     """The state of the next decode step, built on this step's still-lazy tokens."""
+    assert state.allowed is None, "a step with constrained rows never chains"
     counts = state.counts
     if counts is not None:
         counts = counts.at[mx.arange(tokens.size), tokens].add(1.0)
@@ -98,6 +105,8 @@ class Sampled:
 def sample(logits: mx.array, state: SamplerState) -> Sampled:
     logits = logits.astype(mx.float32)
     scores = _apply_penalties(logits, state) if state.any_penalty else logits
+    if state.allowed is not None:
+        scores = mx.where(_allowed(state.allowed, logits.shape[-1]), scores, -mx.inf)
     tokens = mx.argmax(scores, axis=-1)
     if state.any_sampled:
         drawn = mx.argmax(_filtered(scores, state) + _gumbel(state, logits.shape[-1]), axis=-1)
@@ -106,6 +115,13 @@ def sample(logits: mx.array, state: SamplerState) -> Sampled:
     if not state.want_logprobs:
         return Sampled(tokens, None, None, None)
     return _with_logprobs(logits, tokens, state.top_logprobs)
+
+
+def _allowed(packed: mx.array, vocab: int) -> mx.array:
+    """(B, V) bool from (B, ceil(V / 32)) packed words: token t is bit t % 32 of word t // 32."""
+    ids = mx.arange(vocab, dtype=mx.uint32)
+    words = mx.take(packed.astype(mx.uint32), (ids >> 5).astype(mx.int32), axis=1)
+    return ((words >> (ids & 31)) & 1).astype(mx.bool_)
 
 
 def _filtered(scores: mx.array, state: SamplerState) -> mx.array:

@@ -13,6 +13,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc import decode_attention
 from scheduler_proc.batch import Batch, PromptSlice
+from scheduler_proc.grammar import Grammars
 from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
@@ -71,8 +73,10 @@ class Scheduler:
         model: nn.Module,
         eos_token_ids: Iterable[int],
         kv_agree: Callable[[KVPlan], KVPlan] | None = None,
+        tokenizer_file: Path | None = None,
     ):
-        """`kv_agree`: tensor parallel, the plan every rank can hold (docs/distributed.md)."""
+        """`kv_agree`: tensor parallel, the plan every rank can hold (docs/distributed.md);
+        `tokenizer_file`: the model's tokenizer.json, for structured output (grammar.py)."""
         self.config = config
         layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -125,6 +129,7 @@ class Scheduler:
             beside_decode=long_prefill_scores(config, on_cpu),
         )
         self.eos = frozenset(eos_token_ids)
+        self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
         # NOTE: False under tensor parallel: a failed step (a lost peer) must stop the engine.
@@ -167,6 +172,8 @@ class Scheduler:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         max_new = min(params.max_tokens, self.max_context - len(input_ids))
         req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop))
+        if params.constrained:
+            req.matcher = self.grammars.matcher(params)
         self._reqs[rid] = req
         self._waiting.append(req)
 
@@ -227,6 +234,8 @@ class Scheduler:
             "decode_attention_masked_calls": decode_attention.counts.masked,
             "prefill_attention_ops_calls": decode_attention.counts.prefill_ops,
             "decode_attention_split_calls": decode_attention.counts.split,
+            "grammar_masked_rows": self.grammars.masks,
+            "grammar_mask_s": round(self.grammars.mask_s, 4),
         }
 
     def shutdown(self) -> None:
@@ -298,6 +307,9 @@ class Scheduler:
     def _can_chain(self, cur: Batch) -> bool:
         if not cur.pure_decode or self.running.prefilling() or self._admissible():
             return False
+        # NOTE: a constrained row's next mask needs this step's token on the host.
+        if cur.allowed is not None:
+            return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
         if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.decode):
             return False
@@ -364,7 +376,9 @@ class Scheduler:
         joined = [r for r in self.running.prefilling() if due(r)]
         if not rows and not joined:
             return None
-        return Batch(decode=rows, joined=joined)
+        batch = Batch(decode=rows, joined=joined)
+        batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
+        return batch
 
     def _admit(self) -> None:
         """Waiting requests take a slot and their pages (a cached prefix shared) in arrival
@@ -462,6 +476,8 @@ class Scheduler:
         n = req.params.logprobs
         req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n and logprob else None)
         self._counters["generated_tokens"] += 1
+        if req.matcher is not None:
+            _follow_grammar(req, token)
         self._touched[req.rid] = req
         if req.finished:
             self._to_free[req.rid] = req
@@ -516,6 +532,15 @@ class Scheduler:
             self._waiting.remove(req)
         else:
             self._to_free[req.rid] = req
+
+
+def _follow_grammar(req: Req, token: int) -> None:
+    """Advance a constrained request's matcher; a complete output ends it ("stop")."""
+    if not req.matcher.consume_token(token):
+        # NOTE: the mask allowed only tokens the matcher takes; this is a bug, not the client's
+        req.finish("error", f"the grammar refused token {token}: {req.matcher.get_error()[:200]}")
+    elif req.matcher.is_stopped():
+        req.finish("stop")
 
 
 def _slot_bytes(layout: Layout, chunk: int, context: int | None) -> int:

@@ -26,10 +26,13 @@ def tiny_model(path: Path) -> Any:
     return _MODELS[path]
 
 
-def make_scheduler(model: Any, eos: tuple[int, ...] = (), **overrides: Any) -> Scheduler:
+def make_scheduler(
+    model: Any, eos: tuple[int, ...] = (), tokenizer_file: Path | None = None, **overrides: Any
+) -> Scheduler:
     # NOTE: 32 rows + the scratch row, and 7 rows' worth of prefix store.
     base = dict(max_running_requests=32, max_total_tokens=40 * 2048, context_length=2048)
-    return Scheduler(EngineConfig(**{**base, **overrides}), model, eos)
+    config = EngineConfig(**{**base, **overrides})
+    return Scheduler(config, model, eos, tokenizer_file=tokenizer_file)
 
 
 def bucketed(sched: Scheduler, warm: bool = True) -> Scheduler:

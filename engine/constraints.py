@@ -1,0 +1,62 @@
+"""Structured output: a request's constraint (JSON schema, regex or Lark grammar) as one
+llguidance grammar, checked where the request comes in.
+
+llguidance (Rust, no dependencies of its own) over xgrammar, whose wheel requires torch and triton:
+the engine never imports torch. Its masks cost ~50-90 us a row on this CPU (docs/structured_output.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from engine.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+
+# NOTE: the one field of SamplingParams each constraint kind lives in
+FIELDS = ("json_schema", "regex", "grammar")
+MAX_CONSTRAINT_CHARS = 256 << 10
+
+
+def field_of(params: SamplingParams) -> str | None:
+    """The constraint field a request set, or None; `InvalidRequest` when it set several."""
+    set_ = [name for name in FIELDS if getattr(params, name) is not None]
+    if len(set_) > 1:
+        raise InvalidRequest(set_[1], f"only one of {', '.join(FIELDS)} per request")
+    return set_[0] if set_ else None
+
+
+def grammar_of(params: SamplingParams) -> str | None:
+    """The llguidance grammar of the request's constraint (None: unconstrained)."""
+    from llguidance import LLMatcher
+
+    name = field_of(params)
+    if name is None:
+        return None
+    value = getattr(params, name)
+    size = len(json.dumps(value)) if name == "json_schema" else len(value)
+    if size > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(name, f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}")
+    if name == "json_schema":
+        # NOTE: fixed separators (", " and ": "), no free whitespace: with it a weak model's
+        # "JSON" ran to max_tokens in newlines and spaces.
+        return LLMatcher.grammar_from_json_schema(value, defaults={"whitespace_flexible": False})
+    if not value:
+        raise InvalidRequest(name, "must not be empty")
+    if name == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    return LLMatcher.grammar_from_lark(value)
+
+
+def check(params: SamplingParams) -> None:
+    """Refuse a constraint llguidance cannot compile, naming its field and llguidance's reason."""
+    from llguidance import LLMatcher
+
+    grammar = grammar_of(params)
+    if grammar is None:
+        return
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequest(field_of(params) or "grammar", f"cannot be compiled: {error.strip()}")

@@ -1,0 +1,82 @@
+"""Token masks for constrained requests: one llguidance matcher per request, masks on the host.
+
+A decode step with constrained rows gets a packed bitmask (rows x ceil(vocab / 32) int32, bit t
+of a row set when token t may come next); unconstrained and pad rows are all ones. The sampler
+expands it inside the step's graph (`sampling._allowed`). A matcher needs its request's last
+token before it can say what may follow it, so the scheduler computes a step's masks once the
+previous step's tokens are on the host (docs/structured_output.md: how that sits in the overlap
+chain).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.constraints import grammar_of
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class Grammars:
+    """The model's llguidance tokenizer (built on first use) and the matchers made from it."""
+
+    def __init__(self, tokenizer_file: Path | None, vocab: int, eos: list[int]) -> None:
+        self._file, self.vocab, self._eos = tokenizer_file, vocab, eos
+        self._tokenizer: Any = None
+        self._executor: Any = None
+        self.mask_s = 0.0  # host time spent computing masks
+        self.masks = 0  # rows masked
+
+    def matcher(self, params: SamplingParams) -> Any:
+        """A fresh matcher for the request's constraint; `InvalidRequest` if it cannot be built."""
+        from llguidance import LLMatcher
+
+        grammar = grammar_of(params)
+        assert grammar is not None, "an unconstrained request has no matcher"
+        matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest("grammar", f"cannot be compiled: {matcher.get_error().strip()}")
+        return matcher
+
+    def fill(self, matchers: list[Any | None]) -> np.ndarray | None:
+        """The packed masks of one step's rows (None where no row is constrained)."""
+        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        t0 = time.perf_counter()
+        words = (self.vocab + 31) // 32
+        masks = np.full((len(matchers), words), -1, dtype=np.int32)
+        fill_next_token_bitmask_par(self._executor, rows, masks)
+        self.mask_s += time.perf_counter() - t0
+        self.masks += len(rows)
+        return masks
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            self._tokenizer = self._build()
+        return self._tokenizer
+
+    def _build(self) -> Any:
+        from llguidance import LLExecutor, LLTokenizer
+
+        if self._file is None or not self._file.is_file():
+            raise InvalidRequest(
+                "grammar", "structured output needs the model's tokenizer.json, which it lacks"
+            )
+        t0 = time.perf_counter()
+        # NOTE: n_vocab is the model's logits width: ids past the tokenizer's are never allowed.
+        tok = LLTokenizer(str(self._file), n_vocab=self.vocab, eos_token=self._eos or None)
+        # NOTE: one thread: the scheduler's host work runs beside the device's, and on a small
+        # CPU more threads only take cores from MLX (2 cores here).
+        self._executor = LLExecutor(num_threads=1)
+        log.info("structured output: tokenizer built in %.2f s", time.perf_counter() - t0)
+        return tok

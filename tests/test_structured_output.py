@@ -1,0 +1,121 @@
+"""Structured output in the scheduler: JSON schemas, regexes and Lark grammars through llguidance
+token masks inside the step's graph, beside unconstrained rows that stay untouched."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
+
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+from engine.tokenizer_loader import load_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+PHONE = r"\+[0-9]{2} [0-9]{3}-[0-9]{4}"
+LARK = 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]+/'
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+def _sched(model, tiny_model_dir, **overrides):
+    return make_scheduler(model, (0, 2), tiny_model_dir / "tokenizer.json", **overrides)
+
+
+def _prompt(seed: int, n: int = 20) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(49152) for _ in range(n)]
+
+
+def _check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "tags"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert isinstance(value["age"], int)
+    assert isinstance(value["tags"], list) and set(value["tags"]) <= {"a", "b"}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_constrained_rows_follow_their_grammar_beside_free_ones(
+    model, tok, tiny_model_dir, overlap
+):
+    """A random model's output matches each row's schema, regex or grammar and ends when it is
+    complete ("stop"); the unconstrained rows in the same steps are token for token mlx-lm's."""
+    sched = _sched(model, tiny_model_dir, disable_overlap=not overlap)
+    greedy = dict(max_tokens=200, temperature=0.0)
+    reqs = [
+        ("json", _prompt(1), SamplingParams(json_schema=SCHEMA, **greedy)),
+        ("regex", _prompt(2), SamplingParams(regex=PHONE, **greedy)),
+        ("lark", _prompt(3), SamplingParams(grammar=LARK, **greedy)),
+        ("sampled", _prompt(4), SamplingParams(json_schema=SCHEMA, max_tokens=200, seed=5)),
+        ("object", _prompt(5), SamplingParams(json_schema={"type": "object"}, **greedy)),
+    ]
+    free = [(f"free{i}", _prompt(10 + i, 30), SamplingParams(max_tokens=24, temperature=0.0))
+            for i in range(3)]  # fmt: skip
+    outs = drive(sched, {0: reqs[:3] + free[:2], 3: reqs[3:] + free[2:]})
+    text = {rid: tok.decode(tokens(outs[rid])) for rid, _, _ in reqs}
+    for rid in ("json", "sampled"):
+        _check_schema(text[rid])
+    assert re.fullmatch(PHONE, text["regex"]), text["regex"]
+    assert re.fullmatch(r"yes|no|maybe [0-9]+", text["lark"]), text["lark"]
+    assert isinstance(json.loads(text["object"]), dict)
+    assert all(outs[rid][-1].finish_reason == "stop" for rid in ("json", "regex", "sampled"))
+    for rid, prompt, _ in free:
+        assert tokens(outs[rid]) == reference_greedy(model, prompt, 24), rid
+    stats = sched.stats()
+    assert stats["grammar_masked_rows"] > 0
+
+
+def test_a_free_row_alone_still_chains_and_a_constrained_one_never(model, tiny_model_dir):
+    """Overlap: steps with a constrained row wait for its token on the host (its next mask needs
+    it); unconstrained batches chain as before."""
+    sched = _sched(model, tiny_model_dir)
+    drive(sched, {0: [("free", _prompt(7), SamplingParams(max_tokens=20, temperature=0.0))]})
+    chained = sched.stats()["steps_chained"]
+    assert chained > 10
+    params = SamplingParams(regex="[a-z]{30}", max_tokens=40, temperature=0.0)
+    drive(sched, {0: [("c", _prompt(8), params)]})
+    assert sched.stats()["steps_chained"] == chained
+
+
+def test_a_grammar_that_cannot_compile_is_refused_naming_its_field(model, tiny_model_dir):
+    for raw, field in [
+        ({"regex": "a(b"}, "regex"),
+        ({"json_schema": {"type": "nonsense"}}, "json_schema"),
+        ({"grammar": "start: missing_rule"}, "grammar"),
+        ({"regex": "a", "grammar": 'start: "a"'}, "grammar"),
+    ]:
+        with pytest.raises(InvalidRequest) as e:
+            SamplingParams.parse(raw)
+        assert e.value.field == field, (raw, e.value)
+    sched = _sched(model, tiny_model_dir)
+    with pytest.raises(InvalidRequest, match="regex"):
+        sched.submit("bad", [1, 2, 3], SamplingParams(regex="a(b"))
+    assert not sched.has_work()
+
+
+def test_without_a_tokenizer_a_constrained_request_is_refused(model):
+    sched = make_scheduler(model, (0, 2))
+    with pytest.raises(InvalidRequest, match="tokenizer.json"):
+        sched.submit("r", [1, 2, 3], SamplingParams(regex="[0-9]+"))
+    assert not sched.has_work()
