@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from engine_harness import LaunchedEngine, bounded  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import EngineClient
+from engine.errors import InvalidRequest
 
 pytestmark = pytest.mark.usefixtures("bounded")
 NO_EOS = {"extra_body": {"ignore_eos": True}}
@@ -184,6 +186,69 @@ def test_cached_tokens_in_usage(oai):
     assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
 
 
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_json_object_parse(oai):
+    """A random model's reply is JSON of the requested shape, ended when complete ("stop")."""
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    r = oai.chat.completions.create(
+        model="m", messages=HI, max_tokens=100, temperature=0.0, response_format=fmt
+    )
+    person = json.loads(r.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int), person
+    assert r.choices[0].finish_reason == "stop"
+    r = oai.chat.completions.create(
+        model="m",
+        messages=HI,
+        max_tokens=100,
+        temperature=0.0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+def test_the_sdk_takes_the_same_constraints(sdk):
+    r = sdk.generate(messages=HI, max_tokens=100, temperature=0.0, json_schema=PERSON)
+    assert set(json.loads(r.text)) == {"name", "age"} and r.finish_reason == "stop"
+    r = sdk.generate("Call", max_tokens=20, regex=r"[A-Z]{3}-\d{2}")
+    assert re.fullmatch(r"[A-Z]{3}-\d{2}", r.text), r.text
+    with pytest.raises(InvalidRequest) as e:
+        sdk.generate("Call", max_tokens=4, regex="a(b")
+    assert e.value.field == "regex"
+
+
+def test_regex_and_grammar_streamed(oai):
+    with oai.completions.create(
+        model="m",
+        prompt="Call",
+        max_tokens=30,
+        stream=True,
+        extra_body={"regex": r"\(\d{3}\) \d{4}"},
+    ) as stream:
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch(r"\(\d{3}\) \d{4}", text), text
+    r = oai.chat.completions.create(
+        model="m",
+        messages=HI,
+        max_tokens=10,
+        temperature=0.0,
+        extra_body={"grammar": 'start: "yes" | "no"'},
+    )
+    assert r.choices[0].message.content in ("yes", "no")
+
+
 def test_models(oai, tiny_model_dir):
     assert [m.id for m in oai.models.list().data] == [tiny_model_dir.name]
 
@@ -198,6 +263,14 @@ BAD = [
     ({"top_p": 2}, "top_p"),
     ({"n": 2}, "n"),
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+        "response_format",
+    ),
+    ({"response_format": {"type": "json_object"}, "regex": "[0-9]+"}, "response_format"),
+    ({"regex": "a(b"}, "regex"),
+    ({"grammar": "start: undefined_rule"}, "grammar"),
     ({"logit_bias": {"5": 3}}, "logit_bias"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"top_logprobs": 3}, "top_logprobs"),

@@ -5,6 +5,7 @@ tokens, the stateless rules, and bad input as a 400 naming the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -134,7 +135,8 @@ def test_a_repeated_input_reports_cached_tokens(client):
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+        ({"text": {"verbosity": "low"}}, "text"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"max_output_tokens": -1}, "max_output_tokens"),
         ({"temperature": "hot"}, "temperature"),
@@ -144,6 +146,22 @@ def test_bad_input_is_a_400_naming_the_field(engine, change, field):
     body = {"model": "m", "input": ASK, "max_output_tokens": 4, **change}
     status, reply = post_json(engine, "/v1/responses", body)
     assert status == 400 and reply["error"]["param"] == field, reply
+
+
+def test_a_json_schema_text_format_gives_parseable_output(client):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}
+    r = client.responses.create(
+        model="m", input=ASK, max_output_tokens=40, temperature=0.0, text={"format": fmt}
+    )
+    value = json.loads(r.output_text)
+    assert isinstance(value["ok"], bool) and isinstance(value["n"], int), value
+    assert r.status == "completed" and r.text.format.type == "json_schema"
 
 
 def test_store_is_accepted_and_nothing_is_kept(engine):

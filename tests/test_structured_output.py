@@ -18,7 +18,7 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
     },
     "required": ["name", "age", "tags"],

@@ -2,7 +2,7 @@
 `InvalidRequest` naming the field), engine chunks become completion objects and stream chunks.
 
 Every field a request may carry is listed here; any other field, or a value we cannot honour
-(`n` > 1, a JSON schema, a forced tool), is a 400 naming it, never silently ignored.
+(`n` > 1, a forced tool), is a 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ SAMPLING = (
     "seed",
     "stop_token_ids",
     "ignore_eos",
+    # NOTE: structured output beyond response_format (SGLang's names; grammar: Lark)
+    "regex",
+    "grammar",
 )
 # accepted fields that change nothing: identity strings, and neutral values of what we lack
 IGNORED = ("model", "user", "parallel_tool_calls", "store", "metadata", "service_tier")
@@ -39,9 +42,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "echo": (False,),
     "logit_bias": ({},),
-    "response_format": ({"type": "text"},),
 }
 COMMON = {*SAMPLING, *IGNORED, *NEUTRAL, "stream", "stream_options", "max_tokens", "stop"}
+COMMON |= {"response_format"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"}
 CHAT |= {"tool_choice"}
 COMPLETION = COMMON | {"prompt", "logprobs"}
@@ -72,6 +75,9 @@ def parse(kind: str, body: Any, rid: str, max_context: int, model: str) -> Reque
     _max_tokens(req, body, params, max_context)
     _stop(body, params)
     _logprobs(req, body, params)
+    if "response_format" in body:
+        response_format(body["response_format"], params, "response_format")
+        req.renamed["json_schema"] = "response_format"
     if kind == "chat":
         _chat_input(req.generate, body)
     else:
@@ -86,6 +92,28 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             raise InvalidRequest(name, "is not supported by this server")
         if name in NEUTRAL and value not in NEUTRAL[name]:
             raise InvalidRequest(name, f"only {NEUTRAL[name][0]!r} is supported, got {value!r}")
+
+
+def response_format(value: Any, params: dict[str, Any], name: str) -> None:
+    """OpenAI's `response_format` (the Responses API's `text.format`: `name` says which) as the
+    engine's `json_schema`: `text` asks for nothing, `json_object` for any JSON object,
+    `json_schema` for its `schema` (enforced whatever `strict` says)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        # NOTE: Chat Completions nests the schema under "json_schema"; Responses does not.
+        spec = value.get("json_schema", value) if name == "response_format" else value
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequest(name, "a json_schema format needs its schema, a JSON object")
+    else:
+        raise InvalidRequest(name, f"type must be text, json_object or json_schema, got {kind!r}")
+    if "regex" in params or "grammar" in params:
+        raise InvalidRequest(name, "only one of response_format, regex and grammar per request")
+    params["json_schema"] = schema
 
 
 def _stream_options(req: Request, body: dict[str, Any]) -> None:

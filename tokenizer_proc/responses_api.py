@@ -19,7 +19,7 @@ import msgspec
 from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import prepare
+from tokenizer_proc import openai_api, prepare
 
 # accepted fields that change nothing here: identity, routing and cache hints, and `store`
 # (nothing is kept: every request carries its whole input)
@@ -37,7 +37,6 @@ IGNORED = (
 # accepted only at the value that asks for nothing the engine lacks
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncation": ("disabled",),
-    "text": ({"format": {"type": "text"}},),
     "include": ([],),
     "background": (False,),
 }
@@ -52,6 +51,7 @@ FIELDS = {
     "stream",
     "tools",
     "tool_choice",
+    "text",
 }
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -82,6 +82,7 @@ def parse(body: Any, rid: str, model: str, max_context: int) -> Request:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("stream", "must be a boolean")
+    _text_format(body.get("text"), params)
     gen = tt.Generate(rid, params=params)
     gen.messages = _instructions(body.get("instructions")) + _input(body.get("input"))
     tools = _tools(body.get("tools"))
@@ -94,8 +95,18 @@ def parse(body: Any, rid: str, model: str, max_context: int) -> Request:
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools", []),
         "metadata": body.get("metadata", {}),
+        "text": {"format": {"type": "text"}, **body.get("text", {})},
     }
     return Request(gen, str(body.get("model") or model), stream, echo)
+
+
+def _text_format(text: Any, params: dict[str, Any]) -> None:
+    if text is None:
+        return
+    if not isinstance(text, dict) or set(text) - {"format"}:
+        raise InvalidRequest("text", "only {'format': {...}} is supported")
+    if "format" in text:
+        openai_api.response_format(text["format"], params, "text.format")
 
 
 def _instructions(text: Any) -> list[dict[str, Any]]:
@@ -233,7 +244,6 @@ class Formatter:
             "model": self.req.model,
             "output": output,
             "parallel_tool_calls": True,
-            "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "usage": usage(final) if final is not None else None,
             **self.req.echo,
