@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 from scheduler_proc.request import Req
@@ -41,6 +42,7 @@ class Batch:
     shape: tuple[int, ...] = ()  # its forward's (rows, width, keys), set by the runner
     new_shape: bool = False  # a shape first seen after warm-up
     allowed: np.ndarray | None = None  # constrained rows' packed token masks (grammar.py)
+    logits: mx.array | None = None  # a chained forward whose sampling waits for its masks
 
     @property
     def rows(self) -> list[Req]:

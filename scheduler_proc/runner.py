@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +20,7 @@ from scheduler_proc import decode_attention, prefill_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_cache import EntryCache, KVPool, StepRows
 from scheduler_proc.request import Req
-from scheduler_proc.sampling import RowParams, Sampled, SamplerState, build_state, sample
+from scheduler_proc.sampling import RowParams, SamplerState, build_state, sample
 from scheduler_proc.shapes import Ladders
 from scheduler_proc.state_padding import padding_keeps_state
 
@@ -93,14 +94,34 @@ class Runner:
         log.info("decode attention: fused kernel, rows of any length, no mask")
         return True
 
-    def launch(self, batch: Batch, decode_inputs: mx.array | None) -> None:
-        """Build the batch's one forward and queue it; nothing here blocks."""
+    def launch(
+        self, batch: Batch, decode_inputs: mx.array | None, defer_sample: bool = False
+    ) -> None:
+        """Build the batch's one forward and queue it; nothing here blocks. `defer_sample`: the
+        forward only, its sampling left to `sample_deferred` (its token masks are not known yet)."""
         if batch.is_prefill:
             self._prefill(batch, batch.chunks)
         else:
             assert decode_inputs is not None, "a decode step has input tokens"
-            batch.decode_out = self._decode(batch, decode_inputs)
+            logits = self._decode_logits(batch, decode_inputs)
+            if defer_sample:
+                batch.logits = logits
+                mx.async_eval(logits, *self.pool.state())
+                return
+            assert batch.sampler is not None
+            batch.decode_out = sample(logits, batch.sampler)
         mx.async_eval(*_outputs(batch), *self.pool.state())
+
+    def sample_deferred(self, batch: Batch, allowed: np.ndarray | None) -> None:
+        """Queue the sampling of a forward launched with `defer_sample`, under `allowed`."""
+        assert batch.logits is not None and batch.sampler is not None, "no deferred sampling"
+        n = batch.logits.shape[0]
+        batch.allowed = allowed
+        packed = None if allowed is None else mx.array(_pad_masks(allowed, n))
+        batch.sampler = replace(batch.sampler, allowed=packed)
+        batch.decode_out = sample(batch.logits, batch.sampler)
+        batch.logits = None
+        mx.async_eval(*_outputs(batch))
 
     def decode_rows(self, batch: Batch) -> int:
         """Forward rows of a decode step: its requests, bucketed."""
@@ -139,7 +160,8 @@ class Runner:
         self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
 
     # -- decode --------------------------------------------------------------------------------
-    def _decode(self, batch: Batch, inputs: mx.array) -> Sampled:
+    def _decode_logits(self, batch: Batch, inputs: mx.array) -> mx.array:
+        """The decode forward's last-position logits (B, V), lazy."""
         n = inputs.shape[0]
         if batch.sampler is None:
             batch.sampler = self._sampler(batch, n)
@@ -149,14 +171,11 @@ class Runner:
             r.kv_len += 1
         cache, kv_len = self._decode_cache(rows, starts, n)
         logits = self._forward(inputs[:, None], cache, kv_len, batch)
-        return sample(logits[:, -1, :], batch.sampler)
+        return logits[:, -1, :]
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:
         rows = [row_params(r) for r in batch.rows]
-        allowed = batch.allowed
-        if allowed is not None and n > len(rows):  # NOTE: pad rows may take any token
-            pad = np.full((n - len(rows), allowed.shape[1]), -1, dtype=np.int32)
-            allowed = np.concatenate([allowed, pad])
+        allowed = None if batch.allowed is None else _pad_masks(batch.allowed, n)
         return build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab, allowed)
 
     def _decode_cache(
@@ -236,7 +255,10 @@ class Runner:
         first use), and every request of the level waited behind it."""
         view = self.pool.row_view(self.pool.scratch_slot, [self.pool.scratch_page], 0)
         logits = self._forward(mx.zeros((1, 1), mx.int32), view, -1)
-        state = build_state([_PAD_ROW], self.vocab)
+        # NOTE: with a token mask: the masked sampler's fused kernel is built here, not by the
+        # first constrained request (1.4 s on this CPU the first time a machine builds it).
+        everything = np.full((1, (self.vocab + 31) // 32), -1, dtype=np.int32)
+        state = build_state([_PAD_ROW], self.vocab, everything)
         mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
 
     def _warm_shapes(self, budget_tokens: int, minimal: bool, scores_limit: int | None):
@@ -296,6 +318,14 @@ class Runner:
     def _pad_plan(self, n: int, width: int) -> StepRows:
         slot = self.pool.scratch_slot
         return StepRows([slot] * n, [[]] * n, [0] * n, [0] * n, width=width)
+
+
+def _pad_masks(allowed: np.ndarray, n: int) -> np.ndarray:
+    """Packed masks for `n` forward rows: pad rows may take any token."""
+    if n == len(allowed):
+        return allowed
+    pad = np.full((n - len(allowed), allowed.shape[1]), -1, dtype=np.int32)
+    return np.concatenate([allowed, pad])
 
 
 def _slot(req: Req) -> int:

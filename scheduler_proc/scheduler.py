@@ -292,6 +292,8 @@ class Scheduler:
             self._finalize(cur)
             self._current = None
         nxt = self._next
+        if nxt is not None and nxt.logits is not None:
+            self._sample_deferred(nxt)
         if nxt is not None and not self._must_break(nxt):
             self._current, self._next = nxt, None
             return
@@ -306,9 +308,6 @@ class Scheduler:
 
     def _can_chain(self, cur: Batch) -> bool:
         if not cur.pure_decode or self.running.prefilling() or self._admissible():
-            return False
-        # NOTE: a constrained row's next mask needs this step's token on the host.
-        if cur.allowed is not None:
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
         if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.decode):
@@ -353,8 +352,18 @@ class Scheduler:
         batch = Batch(decode=prev.decode, sampler=advance(sampler, out.tokens))
         batch.chained = True
         self.prepare_launch(batch)
-        self.runner.launch(batch, out.tokens)
+        # NOTE: a constrained row's mask needs `prev`'s token on the host: the forward goes now,
+        # its sampling once `prev` is finalized (`_sample_deferred`), the masks computed while
+        # the device runs the forward.
+        constrained = any(r.matcher is not None for r in batch.decode)
+        self.runner.launch(batch, out.tokens, defer_sample=constrained)
         return batch
+
+    def _sample_deferred(self, batch: Batch) -> None:
+        # NOTE: a row that finished at the step before (its grammar complete) may take any token:
+        # the chain breaks there and its token is dropped.
+        matchers = [None if r.finished else r.matcher for r in batch.rows]
+        self.runner.sample_deferred(batch, self.grammars.fill(matchers))
 
     def _schedule(self) -> Batch | None:
         """One forward per step: prefill chunks, or every decode row and due last tokens.

@@ -40,7 +40,7 @@ def test_launch_bookkeeping(llama, overlap):
     launched, built, finalized = [], [], []
     sched.on_launch = lambda b: launched.append((b.step_index, b.launch_ts, b.chained))
     real_launch, real_finalize = sched.runner.launch, sched._finalize
-    sched.runner.launch = lambda b, x: (built.append(b.step_index), real_launch(b, x))
+    sched.runner.launch = lambda b, x, **kw: (built.append(b.step_index), real_launch(b, x, **kw))
     sched._finalize = lambda b: (finalized.append((b.step_index, b.launch_ts)), real_finalize(b))
     rng = random.Random(0)
     arrivals = {
@@ -250,10 +250,10 @@ def test_a_failed_step_fails_only_its_requests(llama, overlap, where, monkeypatc
 def _fails_once(fn):
     calls = []
 
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
         calls.append(args)
         if len(calls) == 1:
             raise RuntimeError("step failed")
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     return wrapped

@@ -86,16 +86,22 @@ def test_constrained_rows_follow_their_grammar_beside_free_ones(
     assert stats["grammar_masked_rows"] > 0
 
 
-def test_a_free_row_alone_still_chains_and_a_constrained_one_never(model, tiny_model_dir):
-    """Overlap: steps with a constrained row wait for its token on the host (its next mask needs
-    it); unconstrained batches chain as before."""
+def test_constrained_rows_chain_with_each_steps_own_mask(model, tok, tiny_model_dir):
+    """Overlap: a chained step's forward goes before the previous token is on the host; its
+    sampling waits for the masks that token decides. A mask one step stale would let a letter
+    through where this pattern needs a digit."""
     sched = _sched(model, tiny_model_dir)
-    drive(sched, {0: [("free", _prompt(7), SamplingParams(max_tokens=20, temperature=0.0))]})
-    chained = sched.stats()["steps_chained"]
-    assert chained > 10
-    params = SamplingParams(regex="[a-z]{30}", max_tokens=40, temperature=0.0)
-    drive(sched, {0: [("c", _prompt(8), params)]})
-    assert sched.stats()["steps_chained"] == chained
+    pattern = "([a-z][0-9]){12}"
+    reqs = [(f"c{i}", _prompt(20 + i), SamplingParams(regex=pattern, max_tokens=60, seed=i))
+            for i in range(3)]  # fmt: skip
+    reqs.append(("free", _prompt(30), SamplingParams(max_tokens=30, temperature=0.0)))
+    outs = drive(sched, {0: reqs})
+    for rid, _, _ in reqs[:3]:
+        text = tok.decode(tokens(outs[rid]))
+        assert re.fullmatch(pattern, text), (rid, text)
+        assert outs[rid][-1].finish_reason == "stop"
+    assert tokens(outs["free"]) == reference_greedy(model, reqs[3][1], 30)
+    assert sched.stats()["steps_chained"] > 5
 
 
 def test_a_grammar_that_cannot_compile_is_refused_naming_its_field(model, tiny_model_dir):
