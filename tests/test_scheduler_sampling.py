@@ -120,3 +120,14 @@ def test_logprobs_match_log_softmax(llama):
     assert lps[0].logprob == pytest.approx(ref[toks[0]], abs=1e-4)
     assert [t for t, _ in lps[0].top][0] == toks[0] and len(lps[0].top) == 3
     assert lps[0].top[0][1] >= lps[0].top[1][1] >= lps[0].top[2][1]
+
+
+def test_the_noise_is_finite_for_every_hash():
+    """A hash mapped to u = 1.0 gave +inf noise, and a filtered or masked token (-inf) then won
+    the draw as NaN (a grammar's forbidden token, about once in 300 row-steps)."""
+    from scheduler_proc.sampling import uniform
+
+    h = mx.array([0, 1, 0x7FFFFFFF, 0xFFFFFF00, 0xFFFFFFFF], dtype=mx.uint32)
+    u = uniform(h)
+    assert mx.all((u > 0) & (u < 1)).item(), u
+    assert mx.all(mx.isfinite(-mx.log(-mx.log(u)))).item()
