@@ -63,7 +63,13 @@ def _generate_msg(
     sampling: dict[str, Any],
     tools: list[dict[str, Any]] | None = None,
 ) -> tt.Generate:
-    return tt.Generate(_rid(rid), prompt, messages, input_ids, sampling, tools)
+    # NOTE: tool_choice and parallel_tool_calls ride with the sampling keywords, as over HTTP
+    sampling = dict(sampling)
+    choice = sampling.pop("tool_choice", None)
+    parallel = sampling.pop("parallel_tool_calls", True)
+    msg = tt.Generate(_rid(rid), prompt, messages, input_ids, sampling, tools)
+    msg.tool_choice, msg.parallel_tool_calls = choice, parallel
+    return msg
 
 
 def _expect(msg: tc.ToClient, reply: type[R]) -> R:
@@ -156,7 +162,9 @@ class EngineClient(_Client):
     ) -> GenerateResult:
         """One request to completion. `tools` (OpenAI-style specs, `{"type": "function",
         "function": {"name": ..., ...}}`) go to the chat template with `messages`, as over HTTP;
-        a tool call comes back as the model writes it, in `text`."""
+        the model's tool calls come back parsed in `tool_calls` (OpenAI's shape), out of `text`.
+        `tool_choice="required"` or `{"type": "function", "function": {"name": ...}}` forces a
+        call (arguments held to the tool's schema); `parallel_tool_calls=False` allows one."""
         msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
         result = GenerateResult(msg.rid)
         for chunk in self._stream(msg, _deadline(timeout)):

@@ -21,7 +21,7 @@ from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare
+from tokenizer_proc import limits, prepare, tool_calls, tool_choice
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
 from tokenizer_proc.requests import Entry
 
@@ -205,11 +205,15 @@ class InProcessEngine:
 
     def _generate(self, msg: tt.Generate, owner: str | None) -> None:
         entry = Entry(owner)
+        if isinstance(msg.tools, list):
+            entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
 
         def screen() -> None:
             # NOTE: the front door's limits, in its order (tokenizer_proc.frontend._admit); not
             # the per-connection share: every client of this engine is one connection.
             limits.check_generate(msg, self.config, self.core.limits.max_context)
+            if msg.tool_choice is not None:
+                tool_choice.force(msg, self.tokenizer)
 
         try:
             params = self.core.admit(msg, entry, screen)
@@ -237,8 +241,10 @@ class InProcessEngine:
         for rid in stopped:
             self.sched.abort(rid)
         for chunk in chunks:
-            if self.core.on_chunk(chunk) is not None:
-                self._reply(chunk)
+            entry = self.core.on_chunk(chunk)
+            if entry is not None:
+                tools = entry.tools
+                self._reply(chunk if tools is None else tool_calls.split_calls(tools, chunk))
 
     # --- health generation ----------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 
@@ -25,12 +26,15 @@ class StreamChunk:
     usage: Usage
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # completed in this delta
 
     @classmethod
     def from_wire(cls, c: Chunk) -> StreamChunk:
         """From a `Chunk` (straight from the scheduler in `OfflineEngine`: no text)."""
         usage = Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
-        return cls(c.rid, c.text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error)
+        return cls(
+            c.rid, c.text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error, c.tool_calls
+        )
 
 
 @dataclass
@@ -42,9 +46,11 @@ class GenerateResult:
     usage: Usage = field(default_factory=Usage)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape
 
     def add(self, chunk: StreamChunk) -> None:
         self.text += chunk.text
+        self.tool_calls += chunk.tool_calls
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
         self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error

@@ -160,7 +160,7 @@ def test_the_api_key_is_checked(engine):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages[0]"),
-        ({"tool_choice": {"type": "any"}, "tools": [TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "tool_choice"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"stop_sequences": "x"}, "stop_sequences"),
         ({"temperature": "hot"}, "temperature"),

@@ -133,7 +133,7 @@ def test_a_repeated_input_reports_cached_tokens(client):
             "input[0].content[0]",
         ),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "zz"}, "tools": [TOOL]}, "tool_choice"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"text": {"verbosity": "low"}}, "text"),

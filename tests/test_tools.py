@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from engine_harness import LaunchedEngine, bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, post_json  # noqa: F401
 from tool_model import ANSWER
 
 from engine.client import AsyncEngineClient, EngineClient
@@ -109,6 +109,104 @@ def test_a_tool_result_message_renders(oai):
     assert r.usage.prompt_tokens > 0
 
 
+# --- tool_choice: forced calls within the tools' schemas -----------------------------------------
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TWO = [*TOOLS, {"type": "function", "function": {"name": "g", "parameters": CITY}}]
+NAMED_G = {"type": "function", "function": {"name": "g"}}
+
+
+def _check_g(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "days"} and args["days"] in (1, 2, 3), args
+    assert isinstance(args["city"], str) and len(args["city"]) <= 8, args
+
+
+def test_a_named_function_is_called_with_arguments_of_its_schema(oai):
+    """The model's own answer calls f with {}; naming g makes it call g, its arguments held to
+    g's schema, ended when the call is complete."""
+    for stream in (False, True):
+        kwargs = dict(model="m", messages=ASK, tools=TWO, max_tokens=64, temperature=0.0)
+        if stream:
+            chunks = list(oai.chat.completions.create(tool_choice=NAMED_G, stream=True, **kwargs))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            calls = [t for d in deltas for t in d.tool_calls or []]
+            assert [t.function.name for t in calls] == ["g"]
+            _check_g(calls[0].function.arguments)
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        else:
+            r = oai.chat.completions.create(tool_choice=NAMED_G, **kwargs)
+            calls = r.choices[0].message.tool_calls
+            assert [c.function.name for c in calls] == ["g"] and r.choices[
+                0
+            ].finish_reason == "tool_calls"
+            _check_g(calls[0].function.arguments)
+            assert not r.choices[0].message.content
+
+
+def test_required_calls_one_of_the_tools_and_parallel_off_allows_one(oai):
+    r = oai.chat.completions.create(
+        model="m", messages=ASK, tools=TWO, max_tokens=96, temperature=0.0,
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("f", "g"), calls
+    if calls[0].function.name == "g":
+        _check_g(calls[0].function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "change,param",
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_a_tool_choice_that_cannot_be_honoured_is_a_400(oai, change, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model="m", messages=ASK, tools=TWO, max_tokens=4, extra_body=change
+        )
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_sdk_anthropic_and_responses_apis_force_calls_too(engine):
+    with EngineClient(engine.address, timeout=30.0) as client:
+        r = client.generate(
+            messages=ASK, tools=TWO, max_tokens=64, tool_choice=NAMED_G, parallel_tool_calls=False
+        )
+        assert [c["function"]["name"] for c in r.tool_calls] == ["g"], (r.text, r.finish_reason)
+        _check_g(r.tool_calls[0]["function"]["arguments"])
+    tools = [{"name": "f", "input_schema": {"type": "object"}}, {"name": "g", "input_schema": CITY}]
+    body = {"model": "m", "max_tokens": 64, "messages": ASK, "tools": tools}
+    status, reply = post_json(
+        engine,
+        "/v1/messages",
+        {**body, "tool_choice": {"type": "tool", "name": "g", "disable_parallel_tool_use": True}},
+    )
+    uses = [b for b in reply["content"] if b["type"] == "tool_use"]
+    assert status == 200 and [b["name"] for b in uses] == ["g"], reply
+    assert set(uses[0]["input"]) == {"city", "days"} and reply["stop_reason"] == "tool_use"
+    fn = [{"type": "function", "name": "g", "parameters": CITY}]
+    status, reply = post_json(
+        engine, "/v1/responses",
+        {"model": "m", "input": ASK, "tools": fn, "tool_choice": "required", "max_output_tokens": 64,
+         "parallel_tool_calls": False},
+    )  # fmt: skip
+    assert status == 200, reply
+    calls = [o for o in reply["output"] if o["type"] == "function_call"]
+    assert status == 200 and [c["name"] for c in calls] == ["g"], reply
+    _check_g(calls[0]["arguments"])
+
+
 # --- the SDK --------------------------------------------------------------------------------------
 
 
@@ -117,10 +215,15 @@ def _tool_call_through_the_sdk(client: EngineClient, tool_model_dir: Path) -> No
         ASK, add_generation_prompt=True, tools=TOOLS
     )
     r = client.generate(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
-    assert r.usage.prompt_tokens == len(expected) and r.text == ANSWER
-    assert r.finish_reason == "stop"
-    streamed = client.stream(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
-    assert "".join(c.text for c in streamed) == ANSWER
+    assert r.usage.prompt_tokens == len(expected) and r.text == ""
+    assert [c["function"] for c in r.tool_calls] == [{"name": "f", "arguments": "{}"}]
+    assert r.finish_reason == "stop" and r.tool_calls[0]["id"].startswith("call_")
+    streamed = list(client.stream(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0))
+    assert "".join(c.text for c in streamed) == ""
+    assert [c["function"]["name"] for s in streamed for c in s.tool_calls] == ["f"]
+    # NOTE: without tools the same answer is text
+    raw = client.generate(messages=ASK, max_tokens=32, temperature=0.0)
+    assert "<tool_call>" not in raw.text or not raw.tool_calls
     without = client.generate(messages=ASK, max_tokens=1, temperature=0.0)
     assert without.usage.prompt_tokens < len(expected)
     for bad in ([{"type": "function"}], [5], {"type": "function"}):
@@ -148,9 +251,11 @@ def test_the_async_sdk_passes_tools_to_the_template(engine):
         async with AsyncEngineClient(engine.address, timeout=30.0) as client:
             r = await client.generate(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
             chunks = client.stream(messages=ASK, tools=TOOLS, max_tokens=32, temperature=0.0)
-            return r.text, "".join([c.text async for c in chunks])
+            streamed = [c async for c in chunks]
+            names = [t["function"]["name"] for c in streamed for t in c.tool_calls]
+            return r.text, [t["function"]["name"] for t in r.tool_calls], names
 
-    assert asyncio.run(scenario()) == (ANSWER, ANSWER)
+    assert asyncio.run(scenario()) == ("", ["f"], ["f"])
 
 
 @pytest.mark.parametrize("prefix", ["", "Let me check. "])

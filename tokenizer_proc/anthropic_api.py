@@ -20,7 +20,7 @@ import msgspec
 from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import prepare
+from tokenizer_proc import prepare, tool_choice
 
 # accepted fields that change nothing here: identity, routing and tiering hints, and cache
 # breakpoints (the prefix cache keeps every prefix it can without being asked)
@@ -79,6 +79,12 @@ def parse(body: Any, rid: str, model: str) -> Request:
         raise InvalidRequest("stream", "must be a boolean")
     gen = tt.Generate(rid, params=params)
     gen.messages, gen.tools = conversation(body)
+    choice = body.get("tool_choice")
+    gen.tool_choice = tool_choice.wire(tool_choice.normalize(choice))
+    # NOTE: Anthropic says it the other way round, inside tool_choice
+    gen.parallel_tool_calls = not (
+        isinstance(choice, dict) and choice.get("disable_parallel_tool_use")
+    )
     return Request(gen, str(body.get("model") or model), stream)
 
 
@@ -99,7 +105,8 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[
     for i, m in enumerate(messages):
         out += _message(i, m)
     tools = _tools(body.get("tools"))
-    return out, tools if tools and _tool_choice(body.get("tool_choice")) else None
+    offered = tool_choice.normalize(body.get("tool_choice")) != "none"
+    return out, tools if tools and offered else None
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -230,17 +237,6 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         out.append({"type": "function", "function": function})
     prepare.check_tools(out)
     return out
-
-
-def _tool_choice(choice: Any) -> bool:
-    """Whether the tools are offered: `auto` (the default) yes, `none` no."""
-    if choice is None:
-        return True
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind in ("auto", "none"):
-        return kind == "auto"
-    # NOTE: `any` and a named tool force a call: that needs constrained decoding (issue 20).
-    raise InvalidRequest("tool_choice", "only {'type': 'auto'} and {'type': 'none'} are supported")
 
 
 # --- responses ----------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare
+from tokenizer_proc import limits, prepare, tool_calls, tool_choice
 from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
 from tokenizer_proc.farewell import Farewell
 from tokenizer_proc.requests import Entry
@@ -291,8 +291,11 @@ class Frontend:
     # --- admission ------------------------------------------------------------------------------
 
     async def _on_generate(self, client: bytes, msg: tt.Generate) -> None:
+        entry = Entry(client)
+        if isinstance(msg.tools, list):
+            entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
         try:
-            await self._admit(msg, Entry(client))
+            await self._admit(msg, entry)
         except EngineError as e:
             await self._send(client, to_failure(msg.rid, e))
 
@@ -304,6 +307,8 @@ class Frontend:
             nonlocal chars
             chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
             limits.check_share(self.core.table.count(entry.owner), self.config)
+            if msg.tool_choice is not None:
+                tool_choice.force(msg, self.tokenizer)
 
         params = self.core.admit(msg, entry, screen)
         try:
@@ -397,7 +402,10 @@ class Frontend:
     async def _deliver(self, msg: tc.Chunk | tc.Failure, entry: Entry) -> None:
         if entry.chunks is not None:
             entry.chunks.put_nowait(msg)
-        elif not entry.gone and not await self._send(entry.owner, msg):  # type: ignore[arg-type]
+            return
+        if entry.tools is not None and isinstance(msg, tc.Chunk):
+            msg = tool_calls.split_calls(entry.tools, msg)
+        if not entry.gone and not await self._send(entry.owner, msg):  # type: ignore[arg-type]
             self._client_gone(entry.owner)
 
     async def _on_control(self, msg: tt.Control) -> None:

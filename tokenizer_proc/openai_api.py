@@ -17,7 +17,7 @@ from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.sampling_params import MAX_TOP_LOGPROBS
-from tokenizer_proc import prepare
+from tokenizer_proc import prepare, tool_choice
 
 # the sampling fields passed to SamplingParams under the same name
 SAMPLING = (
@@ -36,7 +36,7 @@ SAMPLING = (
     "grammar",
 )
 # accepted fields that change nothing: identity strings, and neutral values of what we lack
-IGNORED = ("model", "user", "parallel_tool_calls", "store", "metadata", "service_tier")
+IGNORED = ("model", "user", "store", "metadata", "service_tier")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,),
     "best_of": (1,),
@@ -46,7 +46,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 COMMON = {*SAMPLING, *IGNORED, *NEUTRAL, "stream", "stream_options", "max_tokens", "stop"}
 COMMON |= {"response_format"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"}
-CHAT |= {"tool_choice"}
+CHAT |= {"tool_choice", "parallel_tool_calls"}
 COMPLETION = COMMON | {"prompt", "logprobs"}
 OPENAI_FINISH = {"stop": "stop", "length": "length"}
 
@@ -174,12 +174,19 @@ def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
         raise InvalidRequest("messages", "must be a non-empty list")
     gen.messages = [_message(i, m) for i, m in enumerate(messages)]
     tools = body.get("tools")
-    choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        raise InvalidRequest("tool_choice", "only 'auto' and 'none' are supported")
+    choice = tool_choice.normalize(body.get("tool_choice"))
+    gen.parallel_tool_calls = flag(body, "parallel_tool_calls", True)
     if tools is not None:
         prepare.check_tools(tools)
-        gen.tools = tools if tools and choice == "auto" else None
+        gen.tools = tools if tools and choice != "none" else None
+    gen.tool_choice = tool_choice.wire(choice)
+
+
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequest(name, "must be a boolean")
+    return value
 
 
 def _message(i: int, m: Any) -> dict[str, Any]:

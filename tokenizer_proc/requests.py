@@ -23,6 +23,7 @@ class Entry:
     sent: bool = False  # forwarded to the scheduler
     aborted: bool = False  # abort asked: do not forward it, or tell the scheduler
     gone: bool = False  # the client went away: nothing more is sent to it
+    tools: Any = None  # an SDK request's tool-call parser (`tool_calls.ToolCallStream`)
     # NOTE: the request's timeline, recorded here only: logged once and fed to the latency
     # histograms when it finishes.
     admitted_at: float = field(default_factory=time.monotonic)

@@ -19,7 +19,7 @@ import msgspec
 from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import openai_api, prepare
+from tokenizer_proc import openai_api, prepare, tool_choice
 
 # accepted fields that change nothing here: identity, routing and cache hints, and `store`
 # (nothing is kept: every request carries its whole input)
@@ -29,7 +29,6 @@ IGNORED = (
     "user",
     "store",
     "service_tier",
-    "parallel_tool_calls",
     "prompt_cache_key",
     "prompt_cache_retention",
     "safety_identifier",
@@ -51,6 +50,7 @@ FIELDS = {
     "stream",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "text",
 }
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -86,13 +86,17 @@ def parse(body: Any, rid: str, model: str, max_context: int) -> Request:
     gen = tt.Generate(rid, params=params)
     gen.messages = _instructions(body.get("instructions")) + _input(body.get("input"))
     tools = _tools(body.get("tools"))
-    gen.tools = tools if tools and _tool_choice(body.get("tool_choice")) else None
+    choice = tool_choice.normalize(body.get("tool_choice"))
+    gen.tools = tools if tools and choice != "none" else None
+    gen.tool_choice = tool_choice.wire(choice)
+    gen.parallel_tool_calls = openai_api.flag(body, "parallel_tool_calls", True)
     echo = {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
         "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": gen.parallel_tool_calls,
         "tools": body.get("tools", []),
         "metadata": body.get("metadata", {}),
         "text": {"format": {"type": "text"}, **body.get("text", {})},
@@ -199,14 +203,6 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(choice: Any) -> bool:
-    """Whether the tools are offered: `auto` (the default) yes, `none` no."""
-    if choice in (None, "auto", "none"):
-        return choice != "none"
-    # NOTE: `required` and a named function force a call: constrained decoding (issue 20).
-    raise InvalidRequest("tool_choice", "only 'auto' and 'none' are supported")
-
-
 # --- responses ----------------------------------------------------------------------------------
 
 
@@ -243,7 +239,6 @@ class Formatter:
             "error": None,
             "model": self.req.model,
             "output": output,
-            "parallel_tool_calls": True,
             "truncation": "disabled",
             "usage": usage(final) if final is not None else None,
             **self.req.echo,

@@ -14,6 +14,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from engine.messages.to_client import Chunk
+
 log = logging.getLogger("tokenizer")
 
 Parser = Callable[[str, Any], Any]
@@ -91,6 +95,15 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+def split_calls(stream: ToolCallStream, chunk: Chunk) -> Chunk:
+    """An SDK chunk with its tool calls parsed out of its text (as the HTTP API does)."""
+    text, calls = stream.feed(chunk.text)
+    if chunk.finish_reason is not None:
+        rest, more = stream.finish()
+        text, calls = text + rest, calls + more
+    return msgspec.structs.replace(chunk, text=text, tool_calls=calls)
 
 
 def for_request(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCallStream | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -43,6 +43,9 @@ class Chunk(Message):
     logprobs: list[TokenLogprob] = []
     error: str | None = None  # why, when finish_reason is "error"
     stop: str | None = None  # the stop string that ended the text (finish_reason "stop")
+    # NOTE: SDK requests with tools: the calls this chunk completed, parsed as over HTTP (OpenAI's
+    # shape); their text is not in `text`
+    tool_calls: list[dict[str, Any]] = []
 
 
 class Failure(Message):

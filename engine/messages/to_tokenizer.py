@@ -36,6 +36,10 @@ class Generate(Message):
     input_ids: list[int] | None = None
     params: dict[str, Any] = {}
     tools: list[dict[str, Any]] | None = None  # OpenAI-style tool specs for the chat template
+    # NOTE: OpenAI's tool_choice: "required" or {"type": "function", "function": {"name"}} force
+    # a call, its arguments held to the tool's schema (tokenizer_proc/tool_choice.py)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class AbortRequest(Message):
