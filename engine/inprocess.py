@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from detokenizer_proc.detokenizer import Detokenizer
+from engine import constraints
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError
 from engine.messages import to_client as tc
@@ -222,6 +223,7 @@ class InProcessEngine:
             return
         try:
             limits.check_stop(params, self.config)
+            constraints.check(params)
             ids = prepare.token_ids(
                 msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context
             )

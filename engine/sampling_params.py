@@ -86,10 +86,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
-        if self.constrained:
+        if self.constrained:  # NOTE: compiled later, off the front door's loop (constraints.py)
             from engine import constraints
 
-            constraints.check(self)
+            constraints.check_shape(self)
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids out of range [0, {vocab_size}): {bad}")

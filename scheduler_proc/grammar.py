@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,34 @@ log = logging.getLogger(__name__)
 
 
 class Grammars:
-    """The model's llguidance tokenizer (built on first use) and the matchers made from it."""
+    """The model's llguidance tokenizer (built on first use) and the matchers made from it.
+
+    NOTE: both are built on a worker thread (llguidance drops the GIL while it builds): on the
+    scheduler's own thread a 190 KB schema's matcher held every decoding row 0.67 s, and the
+    tokenizer 0.36-0.57 s."""
 
     def __init__(self, tokenizer_file: Path | None, vocab: int, eos: list[int]) -> None:
         self._file, self.vocab, self._eos = tokenizer_file, vocab, eos
         self._tokenizer: Any = None
         self._executor: Any = None
+        self._builder: ThreadPoolExecutor | None = None
         self.mask_s = 0.0  # host time spent computing masks
         self.masks = 0  # rows masked
+
+    def start(self, params: SamplingParams) -> Future[Any]:
+        """A matcher for the request's constraint, built on the worker thread; its exception
+        (`InvalidRequest`) is the request's. A model without tokenizer.json is refused here."""
+        if self._file is None or not self._file.is_file():
+            raise InvalidRequest(
+                "grammar", "structured output needs the model's tokenizer.json, which it lacks"
+            )
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._builder.submit(self.matcher, params)
+
+    def close(self) -> None:
+        if self._builder is not None:
+            self._builder.shutdown(wait=False, cancel_futures=True)
 
     def matcher(self, params: SamplingParams) -> Any:
         """A fresh matcher for the request's constraint; `InvalidRequest` if it cannot be built."""
@@ -68,10 +89,6 @@ class Grammars:
     def _build(self) -> Any:
         from llguidance import LLExecutor, LLTokenizer
 
-        if self._file is None or not self._file.is_file():
-            raise InvalidRequest(
-                "grammar", "structured output needs the model's tokenizer.json, which it lacks"
-            )
         t0 = time.perf_counter()
         # NOTE: n_vocab is the model's logits width: ids past the tokenizer's are never allowed.
         tok = LLTokenizer(str(self._file), n_vocab=self.vocab, eos_token=self._eos or None)

@@ -44,6 +44,7 @@ class Req:
     hit: Hit | None = None  # its locked cached prefix, while it runs
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     matcher: Any = None  # its llguidance matcher, when its output is constrained (grammar.py)
+    building: Any = None  # the matcher's Future while the grammar thread builds it
 
     @property
     def prompt_len(self) -> int:

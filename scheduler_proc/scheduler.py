@@ -13,12 +13,14 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine import constraints
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, Overloaded, ShuttingDown
 from engine.memory import weights_bytes
@@ -173,7 +175,12 @@ class Scheduler:
         max_new = min(params.max_tokens, self.max_context - len(input_ids))
         req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop))
         if params.constrained:
-            req.matcher = self.grammars.matcher(params)
+            if not checked:
+                constraints.check(params)
+            req.building = self.grammars.start(params)
+            if not self.contain_errors:
+                # NOTE: tensor parallel: every rank must admit it at the same step
+                futures.wait([req.building])
         self._reqs[rid] = req
         self._waiting.append(req)
 
@@ -191,7 +198,16 @@ class Scheduler:
                     raise
                 log.exception("step failed")
                 self._fail_in_flight(exc)
+            self._wait_for_grammars()
         return self._emit()
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing runs but requests wait for their matchers: wait a little, not spin."""
+        if self._current or self._next or self.running.reqs:
+            return
+        building = [r.building for r in self._waiting if r.building is not None]
+        if building:
+            futures.wait(building, timeout=0.005, return_when=futures.FIRST_COMPLETED)
 
     def has_work(self) -> bool:
         busy = self._current or self._next or self.running.reqs
@@ -241,6 +257,7 @@ class Scheduler:
     def shutdown(self) -> None:
         """Drop in-flight work, abort every request (a later `step()` reports them), drain."""
         self._closed = True
+        self.grammars.close()
         mx.synchronize()
         self._current = self._next = None
         for rid in list(self._reqs):
@@ -396,6 +413,10 @@ class Scheduler:
         try:
             while self._waiting and self.running.free_slots > 0:
                 req = self._waiting.popleft()
+                if req.building is not None and not self._matcher_ready(req):
+                    if not req.finished:
+                        deferred.append(req)
+                    continue
                 if self.prefix is not None and self.prefix.should_wait(
                     req, self.running.prefilling()
                 ):
@@ -408,6 +429,20 @@ class Scheduler:
                 req.admitted = self._admissions
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
             self._waiting.extendleft(reversed(deferred))
+
+    def _matcher_ready(self, req: Req) -> bool:
+        """Whether a constrained request's matcher is built (a failed build ends it)."""
+        if not req.building.done():
+            return False
+        building, req.building = req.building, None
+        try:
+            req.matcher = building.result()
+        except Exception as e:  # NOTE: the grammar thread's error is this request's alone
+            req.finish("error", f"{type(e).__name__}: {e}")
+            self._touched[req.rid] = req
+            req.state = State.FINISHED
+            return False
+        return True
 
     def _take_pages(self, req: Req) -> bool:
         """A slot and pages for `req`; refused (or failed), it waits at the front, holding none."""

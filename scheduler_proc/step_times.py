@@ -76,11 +76,16 @@ class StepTimes:
         if not before:
             times.append(dt)
 
-    @staticmethod
-    def _slow(dt: float, times: deque[float], kind: str) -> str | None:
-        """Why a step is worth a log line ("" before its kind has a median), or None."""
+    def _slow(self, dt: float, times: deque[float], kind: str) -> str | None:
+        """Why a step is worth a log line ("" when no kind has a median yet), or None.
+
+        NOTE: a kind short of samples (joined steps follow prefill steps, whose time they hold,
+        so they rarely get any) is judged by the kind with the most: with a plain 1 s rule a
+        CPU's every 64-row joined step (1.0-1.5 s, its decode steps as long) was a warning."""
         if dt <= _MIN_SLOW_S:  # NOTE: most steps: no median computed
             return None
+        if len(times) < _MIN_SAMPLES:
+            kind, times = max(self._times.items(), key=lambda kt: len(kt[1]), default=(kind, times))
         if len(times) < _MIN_SAMPLES:
             return "" if dt > _STALL_S else None
         median = statistics.median(times)

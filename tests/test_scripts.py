@@ -45,7 +45,8 @@ def test_a_failed_venv_creation_is_not_left_behind(tmp_path):
 
 
 NO_MODEL = ("bench_kv_cache.py", "bench_decode_attention.py", "bench_prefill_attention.py")
-LAUNCHES = ("bench_agent.py",)
+# NOTE: scripts that launch the engine or build token masks need a model with its tokenizer
+WITH_TOKENIZER = ("bench_agent.py", "bench_grammar.py", "check_structured.py")
 SCRIPT_RUNS = {
     "bench_kv_cache.py": ["--batch", "2", "--length", "32"],
     "bench_decode_attention.py": [
@@ -66,6 +67,8 @@ SCRIPT_RUNS = {
     ],
     "bench_prefill_attention.py": ["--shapes", "2x4x16", "--heads", "4", "--kv-heads", "2"],
     "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
+    "bench_grammar.py": ["--rows", "2", "--tokens", "3"],
+    "check_structured.py": ["--samples", "2", "--batch", "2", "--max-tokens", "12"],
     "bench_scheduler.py": [
         *("--num-requests", "2", "--max-tokens", "2", "--min-tokens", "1", "--min-prompt", "2"),
         *("--max-prompt", "8", "--concurrency", "2", "--single-tokens", "3", "--skip", "stagger"),
@@ -78,8 +81,7 @@ def test_benchmark_scripts_run_on_a_tiny_model(script, request):
     """The benchmarks use the scheduler's internals; a tiny run keeps them from rotting."""
     argv = [sys.executable, str(ROOT / "scripts" / script), *SCRIPT_RUNS[script]]
     if script not in NO_MODEL:
-        # NOTE: a script that launches the engine needs a model with its tokenizer
-        fixture = "tiny_model_dir" if script in LAUNCHES else "tiny_weights_dir"
+        fixture = "tiny_model_dir" if script in WITH_TOKENIZER else "tiny_weights_dir"
         argv += ["--model", str(request.getfixturevalue(fixture))]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -33,3 +33,26 @@ def test_slow_steps_and_early_stalls_are_counted_and_logged(caplog):
     _step(times, now, 0.2, 31)
     assert times.slow_steps == 2 and "the median decode step" in caplog.text
     assert times.stats()["step_worst_s"] == 1.5
+
+
+def test_a_kind_without_samples_is_judged_by_the_kind_with_most(caplog):
+    """Joined steps follow prefill steps and rarely get samples of their own: on a CPU every
+    1-1.5 s joined step was logged as a stall although decode steps took as long."""
+    times = StepTimes()
+    caplog.set_level(logging.WARNING, logger="scheduler_proc.step_times")
+    now = 0.0
+    for i in range(20):
+        now = _step(times, now, 1.2, 1 + i)
+    early = times.slow_steps  # NOTE: the first 16, before any median, are stalls over 1 s
+    caplog.clear()
+    joined = Batch(step_index=30, launch_ts=now)
+    joined.joined = [object()]  # type: ignore[list-item]
+    times.add(joined, now + 1.4)
+    assert times.slow_steps == early and not caplog.text, caplog.text
+    late = Batch(step_index=31, launch_ts=now + 2)
+    late.joined = [object()]  # type: ignore[list-item]
+    times.add(late, now + 2 + 13.0)
+    assert (
+        times.slow_steps == early + 1
+        and "(joined, 1 rows) took 13000 ms, 11x the median decode" in caplog.text
+    )

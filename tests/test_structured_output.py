@@ -10,6 +10,7 @@ import re
 import pytest
 from scheduler_util import drive, make_scheduler, reference_greedy, tiny_model, tokens
 
+from engine import constraints
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from engine.tokenizer_loader import load_tokenizer
@@ -112,7 +113,7 @@ def test_a_grammar_that_cannot_compile_is_refused_naming_its_field(model, tiny_m
         ({"regex": "a", "grammar": 'start: "a"'}, "grammar"),
     ]:
         with pytest.raises(InvalidRequest) as e:
-            SamplingParams.parse(raw)
+            constraints.check(SamplingParams.parse(raw))
         assert e.value.field == field, (raw, e.value)
     sched = _sched(model, tiny_model_dir)
     with pytest.raises(InvalidRequest, match="regex"):
@@ -125,3 +126,32 @@ def test_without_a_tokenizer_a_constrained_request_is_refused(model):
     with pytest.raises(InvalidRequest, match="tokenizer.json"):
         sched.submit("r", [1, 2, 3], SamplingParams(regex="[0-9]+"))
     assert not sched.has_work()
+
+
+def test_a_slow_grammar_build_holds_no_one_else(model, tiny_model_dir, monkeypatch):
+    """Matchers are built on the grammar thread: on the scheduler's own, a 190 KB schema held
+    every decoding row 0.67 s. While one build is stuck, the other requests finish; then it runs."""
+    import threading
+
+    from scheduler_proc.grammar import Grammars
+
+    release = threading.Event()
+    real = Grammars.matcher
+
+    def slow(self, params):
+        assert release.wait(30), "never released"
+        return real(self, params)
+
+    monkeypatch.setattr(Grammars, "matcher", slow)
+    sched = _sched(model, tiny_model_dir)
+    sched.submit("slow", _prompt(40), SamplingParams(regex="[0-9]{4}", max_tokens=8))
+    sched.submit("free", _prompt(41), SamplingParams(max_tokens=6, temperature=0.0))
+    done: dict[str, str] = {}
+    for _ in range(200):
+        done |= {c.rid: c.finish_reason for c in sched.step() if c.finish_reason}
+        if "free" in done:
+            break
+    assert done == {"free": "length"}, done
+    release.set()
+    outs = drive(sched, {})
+    assert outs["slow"][-1].finish_reason == "stop" and len(tokens(outs["slow"])) <= 8

@@ -11,13 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.constraints import FIELDS
+from engine.constraints import FIELDS, JSON_STYLE
 from engine.errors import InvalidRequest
 from tokenizer_proc import prepare
-
-# NOTE: json.dumps's separators, the text models see in their templates' examples; no free
-# whitespace (a weak model's arguments ran to max_tokens in spaces and newlines)
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def normalize(choice: Any, field: str = "tool_choice") -> str | tuple[str, str]:
