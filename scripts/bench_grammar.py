@@ -2,11 +2,11 @@
 
 1. Masks alone: N matchers of a JSON schema walk a generation (a random allowed token per row per
    step); the host time to fill the step's N masks, and per row.
-2. The scheduler in-process (launch defaults, overlap on): N rows free, then N rows each held to a
-   regex, output tok/s and how many steps chained.
+2. The scheduler in-process (launch defaults, overlap on): N rows with a share of them held to a
+   regex (`--mix`), output tok/s against all free rows, and how many steps chained.
 
   .venv/bin/python scripts/bench_grammar.py                      # tiny random model, N = 32
-  .venv/bin/python scripts/bench_grammar.py --model DIR --rows 16 --tokens 64
+  .venv/bin/python scripts/bench_grammar.py --model DIR --rows 16 --tokens 64 --mix 0,0.25,1
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def masks_alone(tokenizer_file: Path, vocab: int, rows: int, steps: int) -> None
         )
 
 
-def in_scheduler(model_dir: Path, rows: int, tokens: int) -> None:
+def in_scheduler(model_dir: Path, rows: int, tokens: int, mixes: list[float]) -> None:
+    """Each mix: that share of the rows held to a regex (none can end early), the rest free;
+    tok/s against the all-free run of the same process."""
     from engine.config import EngineConfig
     from engine.sampling_params import SamplingParams
     from scheduler_proc.model_loader import load_for_scheduler
@@ -83,22 +85,27 @@ def in_scheduler(model_dir: Path, rows: int, tokens: int) -> None:
     model, eos = load_for_scheduler(str(model_dir), config)
     rng = random.Random(1)
     prompts = [[rng.randrange(1000, 40000) for _ in range(32)] for _ in range(rows)]
-    kinds = {"free": {}, "regex": {"regex": "[a-z ]+"}, "json": {"json_schema": SCHEMA}}
-    for name, extra in kinds.items():
+    free = SamplingParams(max_tokens=tokens, seed=3, ignore_eos=True)
+    held = SamplingParams(max_tokens=tokens, seed=3, ignore_eos=True, regex="[a-z ]+")
+    base = None
+    for mix in [0.0, *mixes]:  # NOTE: the first all-free run warms up (compiles, caches)
         sched = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
-        params = SamplingParams(max_tokens=tokens, seed=3, ignore_eos=True, **extra)
+        n = round(mix * rows)
         for i, p in enumerate(prompts):
-            sched.submit(f"{name}{i}", p, params)
+            sched.submit(f"r{i}", p, held if i < n else free)
         t0 = time.perf_counter()
         while sched.has_work():
             sched.step()
         dt = time.perf_counter() - t0
         stats = sched.stats()
-        made = stats["generated_tokens"]
+        rate = stats["generated_tokens"] / dt
+        if base is None:
+            base = rate
+            continue
         print(
-            f"scheduler, {rows} rows {name}: {made / dt:.0f} tok/s ({made} tokens), "
-            f"{stats['steps_chained']} of {stats['steps_launched']} steps chained, "
-            f"mask time {stats['grammar_mask_s'] * 1e3:.0f} ms"
+            f"scheduler, {rows} rows, {n} held to a regex: {rate:.0f} tok/s ({rate / base:.2f}x the "
+            f"warm-up's all-free run), {stats['steps_chained']} of {stats['steps_launched']} steps "
+            f"chained, mask time {stats['grammar_mask_s'] * 1e3:.0f} ms"
         )
 
 
@@ -107,6 +114,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="model dir (default: a tiny random llama)")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--mix", default="0,0.25,1", help="shares of constrained rows, comma list")
     args = ap.parse_args()
     from engine.cpu_backend import setup_cpu_backend
 
@@ -116,7 +124,7 @@ def main() -> None:
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     masks_alone(model_dir / "tokenizer.json", vocab, args.rows, args.tokens)
-    in_scheduler(model_dir, args.rows, args.tokens)
+    in_scheduler(model_dir, args.rows, args.tokens, [float(m) for m in args.mix.split(",")])
 
 
 def _tiny_model() -> Path:

@@ -137,6 +137,10 @@ def test_a_repeated_input_reports_cached_tokens(client):
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"text": {"verbosity": "low"}}, "text"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+            "text.format",
+        ),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"max_output_tokens": -1}, "max_output_tokens"),
         ({"temperature": "hot"}, "temperature"),

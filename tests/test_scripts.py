@@ -67,7 +67,7 @@ SCRIPT_RUNS = {
     ],
     "bench_prefill_attention.py": ["--shapes", "2x4x16", "--heads", "4", "--kv-heads", "2"],
     "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
-    "bench_grammar.py": ["--rows", "2", "--tokens", "3"],
+    "bench_grammar.py": ["--rows", "4", "--tokens", "3", "--mix", "0.5"],
     "check_structured.py": ["--samples", "2", "--batch", "2", "--max-tokens", "12"],
     "bench_scheduler.py": [
         *("--num-requests", "2", "--max-tokens", "2", "--min-tokens", "1", "--min-prompt", "2"),

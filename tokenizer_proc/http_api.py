@@ -215,12 +215,13 @@ class HttpApi:
         owner = ("http", gen.rid)
         try:
             entry = await self.fe.submit(gen, owner)
-        except InvalidRequest as e:
-            raise InvalidRequest(renamed.get(e.field, e.field), e.message) from None
-        try:
             if stream:
                 return await reply.stream(request, entry)
             return _json_response(msgspec.json.encode(await reply.whole(entry)))
+        except InvalidRequest as e:
+            # NOTE: also a refusal after admission (the worker pool's: a constraint that does not
+            # compile, a long prompt too long), before any byte of the reply was sent
+            raise InvalidRequest(renamed.get(e.field, e.field), e.message) from None
         finally:
             if gen.rid in self.core.table:  # NOTE: still running: the client went away
                 log.info("rid=%s HTTP client gone; aborting", gen.rid)
@@ -524,7 +525,7 @@ def _responses_error_event(events: responses_api.Events, e: EngineError) -> byte
 # engine field -> the Messages API's name for it
 ANTHROPIC_NAMES = {"stop": "stop_sequences"}
 # engine field -> the Responses API's name for it
-RESPONSES_NAMES = {"max_tokens": "max_output_tokens"}
+RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "json_schema": "text.format"}
 
 
 def _anthropic_error_event(e: EngineError) -> bytes:
