@@ -45,6 +45,7 @@ class Req:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     matcher: Any = None  # its llguidance matcher, when its output is constrained (grammar.py)
     building: Any = None  # the matcher's Future while the grammar thread builds it
+    invalid: str | None = None  # the field at fault when it ended with an input error
 
     @property
     def prompt_len(self) -> int:
@@ -96,6 +97,7 @@ class Req:
             cached_tokens=self.cached_tokens,
             logprobs=self.new_logprobs,
             error=self.error,
+            invalid=self.invalid,
         )
         self.new_ids, self.new_logprobs = [], []
         self.reported_finish = self.finished

@@ -581,8 +581,13 @@ class Scheduler:
 def _follow_grammar(req: Req, token: int) -> None:
     """Advance a constrained request's matcher; a complete output ends it ("stop")."""
     if not req.matcher.consume_token(token):
-        # NOTE: the mask allowed only tokens the matcher takes; this is a bug, not the client's
-        req.finish("error", f"the grammar refused token {token}: {req.matcher.get_error()[:200]}")
+        # NOTE: the mask let only tokens through that the matcher takes, unless the grammar gave
+        # out (llguidance's limits: `start: "a" start` has no end and exhausts its items)
+        reason = req.matcher.get_error().strip().splitlines()[0][:300]
+        req.invalid = constraints.field_of(req.params) or "grammar"
+        req.finish(
+            "error", f"the {req.invalid} gave out after {len(req.output_ids)} tokens: {reason}"
+        )
     elif req.matcher.is_stopped():
         req.finish("stop")
 

@@ -271,6 +271,7 @@ BAD = [
     ({"response_format": {"type": "json_object"}, "regex": "[0-9]+"}, "response_format"),
     ({"regex": "a(b"}, "regex"),
     ({"grammar": "start: undefined_rule"}, "grammar"),
+    ({"grammar": 'start: "a" start'}, "grammar"),  # NOTE: no end: gives out mid-output
     ({"logit_bias": {"5": 3}}, "logit_bias"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"top_logprobs": 3}, "top_logprobs"),

@@ -155,3 +155,18 @@ def test_a_slow_grammar_build_holds_no_one_else(model, tiny_model_dir, monkeypat
     release.set()
     outs = drive(sched, {})
     assert outs["slow"][-1].finish_reason == "stop" and len(tokens(outs["slow"])) <= 8
+
+
+def test_a_grammar_that_gives_out_ends_its_request_alone(model, tiny_model_dir):
+    """`start: "a" start` compiles but has no end: llguidance runs out of items mid-output. The
+    request ends with an error naming its field (a 400 over HTTP, not a 500); others go on."""
+    sched = _sched(model, tiny_model_dir)
+    bad = SamplingParams(grammar='start: "a" start', max_tokens=40)
+    outs = drive(
+        sched,
+        {0: [("bad", _prompt(50), bad), ("free", _prompt(51), SamplingParams(max_tokens=8))]},
+    )
+    last = outs["bad"][-1]
+    assert last.finish_reason == "error" and last.invalid == "grammar", last
+    assert "gave out" in last.error and "<state>" not in last.error
+    assert outs["free"][-1].finish_reason == "length"

@@ -547,6 +547,8 @@ def _check_finish(chunk: tc.Chunk) -> None:
 def _finish_error(chunk: tc.Chunk) -> EngineError:
     if chunk.finish_reason == "abort":
         return ShuttingDown("the request was aborted (the engine is shutting down)")
+    if chunk.invalid is not None:
+        return InvalidRequest(chunk.invalid, chunk.error or "invalid")
     return EngineError(f"generation failed: {chunk.error or chunk.finish_reason}")
 
 

@@ -42,6 +42,9 @@ class Chunk(Message):
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
     error: str | None = None  # why, when finish_reason is "error"
+    # NOTE: the request's own field at fault, when the error is its input's (a grammar that gives
+    # out mid-output: llguidance's limits); the HTTP API answers it as a 400 naming the field
+    invalid: str | None = None
     stop: str | None = None  # the stop string that ended the text (finish_reason "stop")
     # NOTE: SDK requests with tools: the calls this chunk completed, parsed as over HTTP (OpenAI's
     # shape); their text is not in `text`

@@ -33,7 +33,7 @@ FIELDS = ["messages", "prompt", "max_tokens", "max_completion_tokens", "temperat
           "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "logprobs",
           "top_logprobs", "tools", "tool_choice", "n", "best_of", "echo", "logit_bias",
           "response_format", "model", "user", "parallel_tool_calls", "metadata", "system",
-          "stop_sequences", "thinking", "cache_control", "output_config"]  # fmt: skip
+          "stop_sequences", "thinking", "cache_control", "output_config", "regex", "grammar"]  # fmt: skip
 CONTENT_TYPES = ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
                  "multipart/form-data; boundary=zz", "application/json; charset=latin-1",
                  "application/json; charset=bogus", "", "\x7f", "a" * 300]  # fmt: skip
@@ -57,7 +57,7 @@ class Probe:
 
 def probes(seed: int, n: int) -> Iterator[Probe]:
     rng = random.Random(seed)
-    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_items] * 2 + [_bad_utility,
+    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_items] * 2 + [_bad_constraint] * 2 + [_bad_utility,
               _unknown_field,
               _bad_json, _bad_json,
               _deep, _bad_headers, _bad_headers, _truncated, _method_path, _method_path,
@@ -178,6 +178,73 @@ def _bad_items(rng: random.Random) -> Probe:
         if rng.random() < 0.3:
             body[name] = _hostile(rng)
     return _post(RESPONSES, body, "hostile input items")
+
+
+def _bad_constraint(rng: random.Random) -> Probe:
+    """Structured output: schemas invalid, huge, deep or unsatisfiable; regexes and grammars that
+    do not compile, explode or never accept; forced tool calls without tools or the format."""
+    deep = 400
+    schemas: list[Any] = [
+        {"type": "nope"},
+        {"type": "string", "minLength": 5, "maxLength": 2},
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        {
+            "type": "object",
+            "properties": {f"p{i}": {"type": "integer"} for i in range(3000)},
+            "required": [f"p{i}" for i in range(3000)],
+        },
+        Raw('{"anyOf":[' * deep + '{"type":"string"}' + "]}" * deep),
+        {"$ref": "#/definitions/x"},
+        {"type": "array", "items": {"$ref": "#"}},
+        _hostile(rng),
+    ]
+    texts = [
+        "a(b",
+        "(a|b){1,100000}",
+        "((a+)+)+$",
+        "[",
+        "",
+        "x" * 200_000,
+        "\\p{Zzzz}",
+        "start: start",
+        'start: "a" start',
+        "start: undefined",
+        "%import x",
+        _hostile(rng, 0),
+    ]
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    kind = rng.randrange(5)
+    if kind == 0:
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": rng.choice(schemas)}}
+        body["response_format"] = rng.choice([fmt, {"type": "json_object"}, _hostile(rng)])
+    elif kind in (1, 2):
+        body[rng.choice(["regex", "grammar"])] = rng.choice(texts)
+    elif kind == 3:
+        body["tool_choice"] = rng.choice(
+            [
+                "required",
+                {"type": "function", "function": {"name": "f"}},
+                {"type": "function"},
+                _hostile(rng),
+            ]
+        )
+        if rng.random() < 0.5:
+            body["tools"] = [
+                {"type": "function", "function": {"name": "f", "parameters": rng.choice(schemas)}}
+            ]
+    else:
+        fmt = {"type": "json_schema", "name": "x", "schema": rng.choice(schemas)}
+        return _post(
+            RESPONSES,
+            {"input": "hi", "max_output_tokens": 4, "text": {"format": fmt}},
+            "hostile text format",
+        )
+    if rng.random() < 0.3:
+        body.update({"regex": "[0-9]+", "response_format": {"type": "json_object"}})
+    if "tools" not in body and rng.random() < 0.4:
+        del body["messages"]
+        return _post(COMPLETIONS, {**body, "prompt": "hi"}, "hostile constraint")
+    return _post(CHAT, body, "hostile constraint")
 
 
 def _bad_utility(rng: random.Random) -> Probe:
