@@ -321,7 +321,7 @@ class Events:
         message["usage"] = {**usage(first), "output_tokens": 0}
         return event("message_start", {"message": message}) + event("ping", {})
 
-    def text(self, text: str) -> bytes:
+    def delta(self, text: str) -> bytes:
         if not text:
             return b""
         out = b""

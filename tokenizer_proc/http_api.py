@@ -455,55 +455,23 @@ class Reply(_Reply):
         return True
 
 
-class MessagesReply(_Reply):
-    """One /v1/messages request's replies: a message object, or its stream of events."""
+class _EventReply(_Reply):
+    """A reply whose stream is typed events from one formatter (Anthropic's Messages, OpenAI's
+    Responses): text deltas, an event per tool call, then the finish or an error event. Each
+    subclass says how its API writes an error (`_error`)."""
 
-    def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
-        self.req = req
-        self.fmt = anthropic_api.Formatter(req)
-        self.events = anthropic_api.Events(self.fmt)
-
-    async def whole(self, entry: Entry) -> dict[str, Any]:
-        return self.fmt.whole(*await self._collect(entry))
-
-    def _opening(self, first: tc.Chunk) -> bytes:
-        return self.events.start(first)
-
-    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
-        if isinstance(msg, tc.Failure):
-            out += _anthropic_error_event(to_exception(msg))
-            return True
-        text, calls = self._text(msg)
-        out += self.events.text(text)
-        for call in calls:
-            out += self.events.tool_call(call)
-        if msg.finish_reason is None:
-            return False
-        if msg.finish_reason in ("stop", "length"):
-            out += self.events.finish(msg)
-        else:
-            out += _anthropic_error_event(_finish_error(msg))
-        return True
-
-
-class ResponsesReply(_Reply):
-    """One /v1/responses request's replies: a response object, or its stream of events."""
-
-    def __init__(self, req: responses_api.Request, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
-        self.fmt = responses_api.Formatter(req)
-        self.events = responses_api.Events(self.fmt)
+    fmt: Any
+    events: Any
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         return self.fmt.whole(*await self._collect(entry))
 
-    def _opening(self, first: tc.Chunk) -> bytes:
-        return self.events.start()
+    def _error(self, e: EngineError) -> bytes:
+        raise NotImplementedError
 
     def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
         if isinstance(msg, tc.Failure):
-            out += _responses_error_event(self.events, to_exception(msg))
+            out += self._error(to_exception(msg))
             return True
         text, calls = self._text(msg)
         out += self.events.delta(text)
@@ -514,8 +482,39 @@ class ResponsesReply(_Reply):
         if msg.finish_reason in ("stop", "length"):
             out += self.events.finish(msg)
         else:
-            out += _responses_error_event(self.events, _finish_error(msg))
+            out += self._error(_finish_error(msg))
         return True
+
+
+class MessagesReply(_EventReply):
+    """One /v1/messages request's replies: a message object, or its stream of events."""
+
+    def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
+        self.req = req
+        self.fmt = anthropic_api.Formatter(req)
+        self.events = anthropic_api.Events(self.fmt)
+
+    def _opening(self, first: tc.Chunk) -> bytes:
+        return self.events.start(first)
+
+    def _error(self, e: EngineError) -> bytes:
+        return _anthropic_error_event(e)
+
+
+class ResponsesReply(_EventReply):
+    """One /v1/responses request's replies: a response object, or its stream of events."""
+
+    def __init__(self, req: responses_api.Request, tokenizer: Any) -> None:
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
+        self.fmt = responses_api.Formatter(req)
+        self.events = responses_api.Events(self.fmt)
+
+    def _opening(self, first: tc.Chunk) -> bytes:
+        return self.events.start()
+
+    def _error(self, e: EngineError) -> bytes:
+        return _responses_error_event(self.events, e)
 
 
 def _responses_error_event(events: responses_api.Events, e: EngineError) -> bytes:
