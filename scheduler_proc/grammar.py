@@ -2,7 +2,7 @@
 
 A decode step with constrained rows gets a packed bitmask (rows x ceil(vocab / 32) int32, bit t
 of a row set when token t may come next); unconstrained and pad rows are all ones. The sampler
-expands it inside the step's graph (`sampling._allowed`). A matcher needs its request's last
+expands it inside the step's graph (`sampling._masked`). A matcher needs its request's last
 token before it can say what may follow it, so the scheduler computes a step's masks once the
 previous step's tokens are on the host (docs/structured_output.md: how that sits in the overlap
 chain).
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.constraints import grammar_of
+from engine.constraints import field_of, grammar_of
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 
@@ -63,7 +63,8 @@ class Grammars:
         assert grammar is not None, "an unconstrained request has no matcher"
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest("grammar", f"cannot be compiled: {matcher.get_error().strip()}")
+            field = field_of(params) or "grammar"
+            raise InvalidRequest(field, f"cannot be compiled: {matcher.get_error().strip()}")
         return matcher
 
     def fill(self, matchers: list[Any | None]) -> np.ndarray | None:

@@ -46,7 +46,7 @@ def force(msg: Any, tokenizer: Any) -> None:
     lark = grammar(tokenizer, msg.tools, choice, msg.parallel_tool_calls)
     if lark is None:
         return
-    if any(name in msg.params for name in (*FIELDS, "response_format")):
+    if any(name in msg.params for name in FIELDS):
         raise InvalidRequest(
             "tool_choice",
             "a forced tool call cannot be combined with json_schema, regex or grammar",
