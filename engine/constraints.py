@@ -47,11 +47,11 @@ def check_shape(params: SamplingParams) -> str | None:
 
 def grammar_of(params: SamplingParams) -> str | None:
     """The llguidance grammar of the request's constraint (None: unconstrained)."""
-    from llguidance import LLMatcher
-
     name = check_shape(params)
     if name is None:
         return None
+    from llguidance import LLMatcher
+
     value = getattr(params, name)
     if name == "json_schema":
         return LLMatcher.grammar_from_json_schema(value, defaults=JSON_STYLE)  # type: ignore[arg-type]
@@ -66,11 +66,13 @@ def check(params: SamplingParams) -> None:
     NOTE: compiling takes time (a 190 KB schema: 0.36-0.65 s), so the front door runs it on its
     worker pool, never on the loop that serves every client (llguidance drops the GIL).
     """
-    from llguidance import LLMatcher
-
     grammar = grammar_of(params)
     if grammar is None:
         return
+    # NOTE: imported only for a constrained request: every long prompt passes here, and a
+    # missing or broken llguidance must not fail requests that never asked for it.
+    from llguidance import LLMatcher
+
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise InvalidRequest(field_of(params) or "grammar", f"cannot be compiled: {error.strip()}")

@@ -170,3 +170,15 @@ def test_a_grammar_that_gives_out_ends_its_request_alone(model, tiny_model_dir):
     assert last.finish_reason == "error" and last.invalid == "grammar", last
     assert "gave out" in last.error and "<state>" not in last.error
     assert outs["free"][-1].finish_reason == "length"
+
+
+def test_unconstrained_requests_never_import_llguidance(monkeypatch):
+    """Every long prompt passes the front door's check: a missing or broken llguidance may fail
+    only requests that asked for a constraint (on an H200 without it, every pooled request
+    failed "tokenization failed" before the import moved behind the constraint)."""
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # NOTE: import fails
+    free = SamplingParams(max_tokens=4)
+    constraints.check(free)
+    assert constraints.grammar_of(free) is None
+    with pytest.raises(ImportError):
+        constraints.check(SamplingParams(max_tokens=4, regex="[ab]+"))
