@@ -52,6 +52,12 @@ class EngineConfig:
         "step reading more keys than --chunked-prefill-size (a long prompt's later chunks), so "
         "decoding requests keep their pace; 0: 2097152 on a GPU, no cap on the CPU",
     )
+    long_prefill_chunk: int = _opt(
+        0,
+        "A long prompt's later chunks: tokens per step of their own, whose keys end on a multiple "
+        "of it, attended by the fast op's causal kernel (no mask, no scores held, few shapes); "
+        "0: 512 on CUDA for attention-only bf16/f16 models, off elsewhere; -1: off",
+    )
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")
     context_length: int = _opt(
         0, "Most tokens (prompt + generated) per request; 0: the model's own limit"
@@ -141,6 +147,8 @@ class EngineConfig:
             # NOTE: 0 is "auto"
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.long_prefill_chunk < -1:
+            raise ValueError(f"long_prefill_chunk must be >= -1, got {self.long_prefill_chunk}")
         if self.context_length < 0:
             raise ValueError("context_length must be >= 0")
         if self.max_total_tokens < 0:

@@ -247,6 +247,7 @@ class Counts:
     calls: int = 0
     masked: int = 0
     prefill_ops: int = 0  # prompt-chunk attention calls run by `prefill_attention`
+    prefill_causal: int = 0  # lone long chunks' calls run by the fast op's causal kernel
     split: int = 0  # fused calls whose rows' keys take the split path (its own kernels)
 
 
@@ -414,6 +415,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
         if ops is not None and ops() and isinstance(mask, mx.array) and sinks is None:
             counts.prefill_ops += 1
             return prefill_attention.attention(queries, keys, values, scale, mask)
+        counts.prefill_causal += isinstance(mask, str) and queries.shape[2] > 1
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
     counts.calls += 1
     if sinks is not None or not fits(queries, keys, values):

@@ -124,7 +124,13 @@ class _RaggedView:
     """
 
     def __init__(
-        self, pool: KVPool, plan: StepRows, kv_len: int, fused: bool = False, by_ops: bool = False
+        self,
+        pool: KVPool,
+        plan: StepRows,
+        kv_len: int,
+        fused: bool = False,
+        by_ops: bool = False,
+        causal: bool = False,
     ) -> None:
         self.pool, self.plan, self.length = pool, plan, kv_len
         self._t = t = plan.width
@@ -134,7 +140,12 @@ class _RaggedView:
         self._write_idx = mx.array(self._write_slots(tables), dtype=mx.int32)
         self._tables = mx.array(tables)
         one = len(plan.tables) == 1
-        self._run = one and contiguous_run(plan.tables[0], pool.pages_for(kv_len))
+        # NOTE: `causal`: one row whose queries are its last keys needs no mask (the fast op's
+        # bottom-right causal kernel). Its keys are always gathered: cuDNN builds a graph per
+        # shape and strides, and a slice of the pool has other strides than the warm-up's.
+        self.causal = causal and one and plan.starts[0] + plan.width == kv_len
+        run = one and not self.causal
+        self._run = run and contiguous_run(plan.tables[0], pool.pages_for(kv_len))
         self._masks: dict[tuple[int | None, int | None], mx.array] = {}
         self._rings: dict[int, tuple[mx.array, mx.array]] = {}
         scratch = pool.scratch_slot
@@ -216,9 +227,11 @@ class _RaggedView:
 
     def mask(
         self, n: int, return_array: bool, window_size: int | None, ring: int | None = None
-    ) -> mx.array | None:
+    ) -> mx.array | str | None:
         if self.fused and ring is None:
             return None  # NOTE: unused: the fused kernel bounds each row by its length
+        if self.causal and ring is None and window_size is None and not return_array:
+            return "causal"
         # NOTE: one mask per window size: a model with sliding and full layers asks for both.
         key = (window_size, ring)
         if key not in self._masks:
@@ -403,12 +416,18 @@ class KVPool:
         return self._caches(_RowView(self, slot, table, start))
 
     def ragged_view(
-        self, plan: StepRows, kv_len: int, fused: bool = False, by_ops: bool = False
+        self,
+        plan: StepRows,
+        kv_len: int,
+        fused: bool = False,
+        by_ops: bool = False,
+        causal: bool = False,
     ) -> list[EntryCache]:
         """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row.
         `fused`: a decode reads keys in the kernel; `by_ops`: prompt chunks attend by MLX's ops
-        (`prefill_attention`)."""
-        return self._caches(_RaggedView(self, plan, kv_len, fused, by_ops))
+        (`prefill_attention`); `causal`: a lone row whose queries are its last keys attends by the
+        fast op's causal kernel."""
+        return self._caches(_RaggedView(self, plan, kv_len, fused, by_ops, causal))
 
     def _caches(self, view: View) -> list[EntryCache]:
         # NOTE: one cache object per entry of the model's own cache list, in its order.

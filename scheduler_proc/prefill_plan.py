@@ -3,6 +3,10 @@
 Every row of a prefill forward is padded to one width, so the planner picks the width that runs
 the most tokens within `--max-prefill-tokens`, then keeps the step's attention scores (rows x heads
 x width x keys) within `PREFILL_SCORES_MAX`. Prompts whose rest fits one chunk go first.
+
+With `long_chunk` (`prefill_attention.long_chunk`), a later chunk that starts on a multiple of it
+runs alone, that many tokens, by the causal kernel: no scores held, so no score bound. Other
+later chunks end on such a multiple, so the next one starts there.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from scheduler_proc.prefill_attention import aligned
 from scheduler_proc.request import Req
 from scheduler_proc.shapes import Ladders
 
@@ -25,6 +30,7 @@ class PrefillPlanner:
     heads: int  # the model's query heads (attention scores per token pair)
     uniform: bool = False  # equal unpadded chunks (a model whose state absorbs padding)
     beside_decode: int | None = None  # --long-prefill-scores (None: no cap)
+    long_chunk: int | None = None  # --long-prefill-chunk (None: off)
 
     @property
     def scores_limit(self) -> int:
@@ -37,9 +43,29 @@ class PrefillPlanner:
         """(request, tokens) for one step, from the prefilling requests with a body left;
         `decoding`: requests are decoding, and wait for this step."""
         plan = self._plan(todo, ladders)
+        if self.long_chunk is not None:
+            plan = self._lone_or_aligned(plan, self.long_chunk)
+            if len(plan) == 1 and aligned(plan[0][0].prefilled, plan[0][1], self.long_chunk):
+                return plan
         if decoding and self.beside_decode is not None:
             return self._beside_decode(plan, ladders, self.beside_decode)
         return plan
+
+    def _lone_or_aligned(self, plan: list[tuple[Req, int]], w: int) -> list[tuple[Req, int]]:
+        """The chunks that are not lone causal ones, each ending by the next multiple of `w`;
+        with none, the first lone one alone.
+
+        NOTE: H200, 32/8 heads, 32k keys: a 512-query chunk by the causal kernel 0.47 ms a layer
+        against 2.9 ms by ops (whose 64-query chunks, within the score bound, cost 0.86 ms)."""
+        rest = []
+        for req, n in plan:
+            start = req.prefilled
+            if not aligned(start, 1, w):
+                rest.append((req, min(n, w - start % w) if start % w else n))
+        if rest:
+            return rest
+        req = plan[0][0]
+        return [(req, min(room(req), w))]
 
     def _plan(self, todo: list[Req], ladders: Ladders) -> list[tuple[Req, int]]:
         # NOTE: prompts whose rest fits one chunk first (in arrival order), then longer ones: 4

@@ -73,6 +73,7 @@ SCHEDULER_OPTIONS = (
     "chunked_prefill_size",
     "max_prefill_tokens",
     "long_prefill_scores",
+    "long_prefill_chunk",
     "max_total_tokens",
     "context_length",
     "max_queued_requests",

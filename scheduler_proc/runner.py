@@ -27,6 +27,9 @@ from scheduler_proc.state_padding import padding_keeps_state
 log = logging.getLogger(__name__)
 
 _PAD_PARAMS = SamplingParams(temperature=0.0)
+# NOTE: cuDNN keeps 256 attention graphs (MLX_CUDA_SDPA_CACHE_SIZE); 128 chunk shapes of 512 fit
+# beside the rest. Longer prompts' chunks build when first seen.
+LONG_WARM_KEYS = 65536
 _PAD_ROW = RowParams(_PAD_PARAMS, 0, 0, [], [])
 
 
@@ -43,8 +46,10 @@ class Runner:
         ladders: Ladders,
         fused: str = "auto",
         prefill: str = "auto",
+        long_chunk: int = -1,
     ) -> None:
-        """`fused`: `--fused-decode`; `prefill`: `--prefill-attention`."""
+        """`fused`: `--fused-decode`; `prefill`: `--prefill-attention`; `long_chunk`:
+        `--long-prefill-chunk`."""
         self.model, self.pool, self.vocab, self.ladders = model, pool, vocab, ladders
         # NOTE: when padding inside a row reaches a recurrent state (`state_padding`), a prefill
         # step's chunks are all equally long and run unpadded (`prefill_plan._uniform_chunks`).
@@ -65,6 +70,9 @@ class Runner:
         )
         if self.prefill_by_ops:
             log.info("prefill attention: MLX ops (no per-shape build)")
+        self.long_chunk = prefill_attention.long_chunk(long_chunk, pool.layout, self.prefill_by_ops)
+        if self.long_chunk:
+            log.info("long prompts' later chunks: %d tokens, causal kernel", self.long_chunk)
 
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run
@@ -142,6 +150,10 @@ class Runner:
         """
         longest = max(c.end - c.start for c in chunks)
         width = longest if self.uniform_prefill else self.ladders.pad_width(longest)
+        first = chunks[0]
+        lone = len(chunks) == 1 and prefill_attention.aligned(first.start, longest, self.long_chunk)
+        if lone:  # NOTE: padded to the width, its keys end on a multiple of it (one shape each)
+            width = self.long_chunk or width
         n = self.ladders.pad_rows(len(chunks))
         pad = n - len(chunks)
         plan = StepRows(
@@ -151,12 +163,12 @@ class Runner:
             lengths=[c.end - c.start for c in chunks] + [0] * pad,
             width=width,
         )
-        kv_len = self.ladders.pad_kv(max(c.end for c in chunks))
+        kv_len = first.start + width if lone else self.ladders.pad_kv(max(c.end for c in chunks))
         tokens = [c.req.fill_ids[c.start : c.end] for c in chunks]
         grid = [t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * pad
         for c in chunks:
             c.req.kv_len = c.end
-        view = self.pool.ragged_view(plan, kv_len, by_ops=self.prefill_by_ops)
+        view = self.pool.ragged_view(plan, kv_len, by_ops=self.prefill_by_ops, causal=lone)
         self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
 
     # -- decode --------------------------------------------------------------------------------
@@ -237,8 +249,15 @@ class Runner:
                 log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
                 break
             decode = tokens.shape[1] == 1
+            lone = len(plan.slots) == 1 and prefill_attention.aligned(
+                plan.starts[0], plan.width, self.long_chunk
+            )
             view = self.pool.ragged_view(
-                plan, kv_len, fused=decode and self.fused_decode, by_ops=self.prefill_by_ops
+                plan,
+                kv_len,
+                fused=decode and self.fused_decode,
+                by_ops=self.prefill_by_ops,
+                causal=lone,
             )
             logits = self._forward(tokens, view, kv_len)
             state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
@@ -287,6 +306,7 @@ class Runner:
         ]
         for n, width in pairs:
             yield self._warm_prefill(n, width, lad.pad_kv(width))
+        yield from self._warm_long_chunks(held)
         # NOTE: later chunks read more keys: each (rows, width, keys) built on its first use
         # after READY (H200: 20-140 ms steps, every decoding row waiting). Shortest keys first.
         if scores_limit is None:
@@ -296,6 +316,18 @@ class Runner:
                 longer = kv_len > lad.pad_kv(width)
                 if longer and n * width * kv_len <= scores_limit and n * kv_len <= held:
                     yield self._warm_prefill(n, width, kv_len)
+
+    def _warm_long_chunks(self, held: int):
+        """Lone causal chunks (`prefill_attention.long_chunk`): keys at every multiple of the
+        width a request may reach, up to `LONG_WARM_KEYS`; longer ones build when first seen
+        (H200: ~62 ms each, logged)."""
+        w = self.long_chunk
+        if w is None:
+            return
+        top = min(self.ladders.row_len, held, LONG_WARM_KEYS)
+        for kv_len in range(2 * w, -(-top // w) * w + 1, w):
+            plan = StepRows([self.pool.scratch_slot], [[]], [kv_len - w], [0], width=w)
+            yield mx.zeros((1, w), mx.int32), plan, kv_len
 
     def _warm_split_decode(self, n: int):
         """A fused decode over rows long enough to split (`decode_attention.split_count`).

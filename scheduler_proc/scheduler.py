@@ -121,6 +121,7 @@ class Scheduler:
             self.ladders,
             config.fused_decode,
             config.prefill_attention,
+            config.long_prefill_chunk,
         )
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
@@ -129,6 +130,7 @@ class Scheduler:
             heads,
             uniform=self.runner.uniform_prefill,
             beside_decode=long_prefill_scores(config, on_cpu),
+            long_chunk=self.runner.long_chunk,
         )
         self.eos = frozenset(eos_token_ids)
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
@@ -245,10 +247,12 @@ class Scheduler:
             "chunked_prefill_size": self.chunk,
             "max_prefill_tokens": self.prefill_budget,
             "long_prefill_scores": self.planner.beside_decode or 0,
+            "long_prefill_chunk": self.planner.long_chunk or 0,
             **self.step_times.stats(),
             "decode_attention_fused_calls": decode_attention.counts.calls,
             "decode_attention_masked_calls": decode_attention.counts.masked,
             "prefill_attention_ops_calls": decode_attention.counts.prefill_ops,
+            "prefill_attention_causal_calls": decode_attention.counts.prefill_causal,
             "decode_attention_split_calls": decode_attention.counts.split,
             "grammar_masked_rows": self.grammars.masks,
             "grammar_mask_s": round(self.grammars.mask_s, 4),

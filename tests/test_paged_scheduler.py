@@ -230,6 +230,45 @@ def test_long_prompts_later_chunks_stay_small_while_others_decode(llama):
     assert max(short) > limit, short
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["exact", "bucketed"])
+def test_long_prompts_later_chunks_run_alone_by_the_causal_kernel(llama, warm):
+    """--long-prefill-chunk: a later chunk starting on a multiple of it runs alone, padded to it,
+    its keys ending on a multiple of it (bottom-right causal, no mask): chunks that start off a
+    multiple (after a prefix hit) end on one first, the last chunk is padded, chats decode beside;
+    every token as mlx-lm's. Bucketed: the GPU's shapes, each warmed before the first request."""
+    w = 32
+    rng = random.Random(15)
+    system = random_prompt(rng, 75)  # NOTE: a hit of 75 tokens starts off a multiple of 32
+    reqs = [(f"long{i}", random_prompt(rng, 300 + 37 * i), 3, 0) for i in range(2)]
+    reqs += [("sys", system + random_prompt(rng, 20), 4, 0)]
+    reqs += [(f"chat{i}", random_prompt(rng, 20), 24, 0) for i in range(3)]
+    reqs += [("hit", system + random_prompt(rng, 230), 6, 30)]
+    sched = make_scheduler(
+        llama, chunked_prefill_size=64, max_prefill_tokens=128, long_prefill_chunk=w
+    )
+    if warm:
+        bucketed(sched)
+    assert sched.runner.long_chunk == sched.planner.long_chunk == w
+    assert decode_attention.install(llama)  # NOTE: counts the attention calls (as on CUDA)
+    before = decode_attention.counts.prefill_causal
+    lone: list[tuple[int, int]] = []
+
+    def on_launch(batch) -> None:
+        for c in batch.chunks:
+            if c.start and c.start % w == 0:
+                assert len(batch.chunks) == 1, "a lone chunk in a step with others"
+                assert c.end - c.start <= w
+                lone.append((c.start, c.end))
+            elif c.start % w:
+                assert c.end <= (c.start // w + 1) * w, "a chunk crossed a multiple of the width"
+
+    sched.on_launch = on_launch
+    _parity(sched, llama, reqs)
+    assert any(e % w for _, e in lone), "no padded last chunk"
+    assert any(s > 75 and s % w == 0 for s, _ in lone), "the hit never realigned"
+    assert decode_attention.counts.prefill_causal - before >= len(lone) * 2  # NOTE: 2 layers
+
+
 def test_short_prompts_are_not_held_behind_a_long_one(llama):
     """Long prompts being prefilled in many chunks do not hold back the first tokens of short
     prompts that arrive after them."""
@@ -263,11 +302,13 @@ def test_the_warm_up_runs_the_lone_row_decode(llama):
     _parity(sched, llama, [("alone", random_prompt(rng, 30), 8, 0)])
 
 
-def test_the_warm_up_runs_every_prefill_shape_the_planner_makes(llama):
+@pytest.mark.parametrize("long_chunk", [-1, 32], ids=["ops", "causal"])
+def test_the_warm_up_runs_every_prefill_shape_the_planner_makes(llama, long_chunk):
     """Long prompts' later chunks read more keys than their first: each (rows, width, keys)
     first seen after READY cost an H200 a 20-140 ms step, every decoding row waiting. The CUDA
-    paths (a decode's keys are no dimension of its shape there)."""
-    cuda = dict(fused_decode="on", prefill_attention="ops")
+    paths (a decode's keys are no dimension of its shape there), later chunks by ops or alone by
+    the causal kernel (a cuDNN graph per shape)."""
+    cuda = dict(fused_decode="on", prefill_attention="ops", long_prefill_chunk=long_chunk)
     sched = bucketed(make_scheduler(llama, chunked_prefill_size=64, max_prefill_tokens=256, **cuda))
     rng = random.Random(21)
     lens = [900, 40, 300, 1500, 70, 5, 2000, 130, 640]
