@@ -33,6 +33,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int = 0  # top-n logprobs per generated token; 0: none
+    # NOTE: each prompt token's logprob (given the tokens before it) and the top-n of that
+    # position, on the request's first chunk (vLLM's name); None: none. Such a request takes no
+    # prefix-cache hit: every position is computed.
+    prompt_logprobs: int | None = None
     # NOTE: structured output, at most one (engine/constraints.py): the output is JSON matching
     # the schema ({"type": "object"}: any JSON object), matches the regex, or the Lark grammar.
     json_schema: dict[str, Any] | None = None
@@ -85,6 +89,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             "logprobs",
             f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
         )
+        if self.prompt_logprobs is not None:
+            _check(
+                0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+                "prompt_logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+            )
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         if self.constrained:  # NOTE: compiled later, off the front door's loop (constraints.py)
             from engine import constraints

@@ -43,6 +43,7 @@ class Batch:
     new_shape: bool = False  # a shape first seen after warm-up
     allowed: np.ndarray | None = None  # constrained rows' packed token masks (grammar.py)
     logits: mx.array | None = None  # a chained forward whose sampling waits for its masks
+    prompt_lps: list[mx.array] = field(default_factory=list)  # prompt logprobs it computes
 
     @property
     def rows(self) -> list[Req]:

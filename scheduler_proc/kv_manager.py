@@ -34,7 +34,8 @@ class KVManager:
         hit = None
         blocks: list[int | list[int]] = []
         if self.prefix is not None:
-            hit = self.prefix.acquire(req.fill_ids, req.fill_len - 1, self._boundary(req))
+            limit = 0 if req.wants_prompt_logprobs else req.fill_len - 1
+            hit = self.prefix.acquire(req.fill_ids, limit, self._boundary(req))
             blocks = self.prefix.layout(hit)
             req.snap_at = self._snap_point(req, hit.length)
         total = self.pool.pages_for(req.fill_len)

@@ -46,6 +46,16 @@ class Req:
     matcher: Any = None  # its llguidance matcher, when its output is constrained (grammar.py)
     building: Any = None  # the matcher's Future while the grammar thread builds it
     invalid: str | None = None  # the field at fault when it ended with an input error
+    # NOTE: `prompt_logprobs`: per prefill chunk, lazy (first position, chosen, top ids, top
+    # logprobs), each covering prompt positions not covered before (a preemption recomputes)
+    prompt_lps: list[Any] = field(default_factory=list)
+    prompt_lp_upto: int = 1  # prompt positions covered so far (position 0 has none)
+    prompt_lp_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still computing its prompt's logprobs: no prefix hit may skip a position."""
+        return self.params.prompt_logprobs is not None and self.prompt_lp_upto < self.prompt_len
 
     @property
     def prompt_len(self) -> int:
@@ -87,7 +97,7 @@ class Req:
         elif len(self.output_ids) >= self.max_new:
             self.finish("length")
 
-    def take_output(self) -> Chunk:
+    def take_output(self, prompt_logprobs: list[TokenLogprob | None] | None = None) -> Chunk:
         out = Chunk(
             rid=self.rid,
             token_ids=self.new_ids,
@@ -96,6 +106,8 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
             logprobs=self.new_logprobs,
+            prompt_logprobs=prompt_logprobs or [],
+            prompt_ids=self.input_ids if prompt_logprobs else [],
             error=self.error,
             invalid=self.invalid,
         )

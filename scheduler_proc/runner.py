@@ -20,7 +20,7 @@ from scheduler_proc import decode_attention, prefill_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_cache import EntryCache, KVPool, StepRows
 from scheduler_proc.request import Req
-from scheduler_proc.sampling import RowParams, SamplerState, build_state, sample
+from scheduler_proc.sampling import RowParams, SamplerState, build_state, sample, token_logprobs
 from scheduler_proc.shapes import Ladders
 from scheduler_proc.state_padding import padding_keeps_state
 
@@ -169,7 +169,10 @@ class Runner:
         for c in chunks:
             c.req.kv_len = c.end
         view = self.pool.ragged_view(plan, kv_len, by_ops=self.prefill_by_ops, causal=lone)
-        self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
+        logits = self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
+        for i, c in enumerate(chunks):
+            if c.req.wants_prompt_logprobs:
+                batch.prompt_lps += _prompt_logprobs(logits[i], c)
 
     # -- decode --------------------------------------------------------------------------------
     def _decode_logits(self, batch: Batch, inputs: mx.array) -> mx.array:
@@ -365,8 +368,26 @@ def _slot(req: Req) -> int:
     return req.slot
 
 
+def _prompt_logprobs(logits: mx.array, c: PromptSlice) -> list[mx.array]:
+    """The logprobs of the prompt tokens this chunk's positions predict, lazy, kept on the
+    request: tokens [j0, j1) from positions j - 1, those no earlier chunk covered."""
+    req = c.req
+    j0, j1 = max(c.start + 1, req.prompt_lp_upto), min(c.end + 1, req.prompt_len)
+    if j1 <= j0:
+        return []
+    targets = mx.array(req.input_ids[j0:j1], dtype=mx.int32)
+    arrays = token_logprobs(logits[j0 - 1 - c.start : j1 - 1 - c.start], targets, _top(req))
+    req.prompt_lps.append(arrays)
+    req.prompt_lp_upto = j1
+    return arrays
+
+
+def _top(req: Req) -> int:
+    return req.params.prompt_logprobs or 0
+
+
 def _outputs(batch: Batch) -> list[mx.array]:
     s = batch.decode_out
     if s is None:
-        return []
+        return batch.prompt_lps
     return [a for a in (s.tokens, s.logprob, s.top_ids, s.top_logprobs) if a is not None]

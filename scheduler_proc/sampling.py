@@ -166,6 +166,18 @@ def _apply_penalties(logits: mx.array, state: SamplerState) -> mx.array:
     return x - state.frequency[:, None] * counts
 
 
+def token_logprobs(logits: mx.array, tokens: mx.array, n: int) -> list[mx.array]:
+    """Each row's `tokens` logprob under `logits` (float32), and its top `n` (ids, logprobs)
+    when n > 0: a prompt's logprobs, position by position."""
+    x = logits.astype(mx.float32)
+    if n == 0:
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        return [mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]]
+    s = _with_logprobs(x, tokens, n)
+    assert s.logprob is not None and s.top_ids is not None and s.top_logprobs is not None
+    return [s.logprob, s.top_ids, s.top_logprobs]
+
+
 def _with_logprobs(logits: mx.array, tokens: mx.array, n: int) -> Sampled:
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]

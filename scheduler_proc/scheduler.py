@@ -421,8 +421,10 @@ class Scheduler:
                     if not req.finished:
                         deferred.append(req)
                     continue
-                if self.prefix is not None and self.prefix.should_wait(
-                    req, self.running.prefilling()
+                if (
+                    self.prefix is not None
+                    and not req.wants_prompt_logprobs
+                    and self.prefix.should_wait(req, self.running.prefilling())
                 ):
                     deferred.append(req)
                     continue
@@ -553,7 +555,7 @@ class Scheduler:
         self._to_free.clear()
 
     def _emit(self) -> list[Chunk]:
-        outs = [req.take_output() for req in self._touched.values()]
+        outs = [req.take_output(_prompt_logprobs(req)) for req in self._touched.values()]
         for req in self._touched.values():
             if req.reported_finish:
                 del self._reqs[req.rid]
@@ -611,6 +613,24 @@ def _describe(batch: Batch) -> str:
         return f"prefill {len(batch.chunks)} chunks, {sum(c.end - c.start for c in batch.chunks)} tokens"
     kind = "chained" if batch.chained else "fresh"
     return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
+
+
+def _prompt_logprobs(req: Req) -> list[TokenLogprob | None] | None:
+    """A `prompt_logprobs` request's first chunk with a token: its prompt's logprobs, brought to
+    the host (the steps that computed them are done: a later step sampled the token)."""
+    if req.params.prompt_logprobs is None or req.prompt_lp_sent or not req.new_ids:
+        return None
+    out: list[TokenLogprob | None] = [None]
+    for arrays in req.prompt_lps:
+        lists = [_listed(a) for a in arrays]
+        if len(lists) == 1:
+            out += [TokenLogprob(c) for c in lists[0]]
+        else:
+            chosen, ids, lps = lists
+            pairs = zip(chosen, ids, lps, strict=True)
+            out += [TokenLogprob(c, list(zip(i, v, strict=True))) for c, i, v in pairs]
+    req.prompt_lps, req.prompt_lp_sent = [], True
+    return out
 
 
 def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -131,3 +131,38 @@ def test_the_noise_is_finite_for_every_hash():
     u = uniform(h)
     assert mx.all((u > 0) & (u < 1)).item(), u
     assert mx.all(mx.isfinite(-mx.log(-mx.log(u)))).item()
+
+
+def _reference_prompt_logprobs(model, prompt: list[int]) -> list[list[float]]:
+    logits = model(mx.array(prompt)[None])[0].astype(mx.float32)
+    return (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+
+
+@pytest.mark.parametrize("chunk", [8, 512])
+def test_prompt_logprobs_cover_every_prompt_token_as_one_forward(llama, chunk):
+    """`prompt_logprobs`: each prompt token's logprob given those before it, on the first chunk,
+    as one forward over the whole prompt computes them, across prefill chunks and beside other
+    rows; a cached prefix (the same prompt served before) is computed again, not skipped."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(VOCAB) for _ in range(45)]
+    sched = make_scheduler(llama, chunked_prefill_size=chunk, max_prefill_tokens=chunk)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    drive(sched, {0: [("warm", prompt, greedy)]})  # NOTE: the prompt is cached now
+    one = [rng.randrange(VOCAB)]
+    outs = drive(
+        sched,
+        {0: [("a", prompt, scored), ("other", _prompts(1, 9)[0], greedy), ("one", one, scored)]},
+    )
+    first = outs["a"][0]
+    assert all(not o.prompt_logprobs for o in outs["a"][1:] + outs["other"])
+    ref = _reference_prompt_logprobs(llama, prompt)
+    got = first.prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    for j in range(1, len(prompt)):
+        row = ref[j - 1]
+        assert got[j].logprob == pytest.approx(row[prompt[j]], abs=1e-4), j
+        best = sorted(range(VOCAB), key=lambda t: -row[t])[:2]
+        assert [t for t, _ in got[j].top] == best, j
+    assert outs["a"][-1].cached_tokens == 0
+    assert outs["one"][0].prompt_logprobs == [None] and first.prompt_ids == prompt

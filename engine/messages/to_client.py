@@ -41,6 +41,10 @@ class Chunk(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = []
+    # NOTE: `prompt_logprobs` requests, on their first chunk: one per prompt token, the first
+    # None (nothing before it), and the prompt's token ids
+    prompt_logprobs: list[TokenLogprob | None] = []
+    prompt_ids: list[int] = []
     error: str | None = None  # why, when finish_reason is "error"
     # NOTE: the request's own field at fault, when the error is its input's (a grammar that gives
     # out mid-output: llguidance's limits); the HTTP API answers it as a 400 naming the field
