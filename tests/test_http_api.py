@@ -261,7 +261,9 @@ BAD = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 2}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 99}, "n"),
+    ({"best_of": 2}, "best_of"),  # NOTE: completions only, as OpenAI's
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     (

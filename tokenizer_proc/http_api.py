@@ -19,47 +19,32 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
 from engine.errors import (
-    EngineDead,
     EngineError,
     InvalidRequest,
-    Overloaded,
-    ShuttingDown,
-    Timeout,
-    Unauthorized,
 )
-from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from engine.wire_errors import to_exception
-from tokenizer_proc import anthropic_api, limits, openai_api, responses_api, tool_calls
+from tokenizer_proc import anthropic_api, choices, limits, openai_api, responses_api
 from tokenizer_proc.frontend import Frontend
-from tokenizer_proc.requests import Entry
+from tokenizer_proc.http_errors import (
+    BodyTooLarge,
+    BodyTooSlow,
+    anthropic_error,
+    error_body,
+    error_response,
+    json_response,
+    status_of,
+)
+from tokenizer_proc.replies import (
+    ApiReply,
+    MessagesReply,
+    Reply,
+    ResponsesReply,
+    stream_choices,
+)
 
 log = logging.getLogger("tokenizer.http")
 
 SHUTDOWN_TIMEOUT_S = 2.0
-DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-class BodyTooLarge(InvalidRequest):
-    """A request body over `--max-body-bytes`: a 413, not a 400."""
-
-
-class BodyTooSlow(InvalidRequest):
-    """A request body still incomplete after `--client-timeout`: a 408."""
-
-
-# exception type -> (HTTP status, OpenAI error type, code)
-STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
-    InvalidRequest: (400, "invalid_request_error", None),
-    BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
-    BodyTooSlow: (408, "invalid_request_error", "request_timeout"),
-    Unauthorized: (401, "authentication_error", "invalid_api_key"),
-    Overloaded: (429, "rate_limit_error", "overloaded"),
-    ShuttingDown: (503, "service_unavailable", "shutting_down"),
-    EngineDead: (503, "service_unavailable", "engine_dead"),
-    Timeout: (504, "timeout", None),
-}
 
 
 class _MalformedHttp(logging.Filter):
@@ -75,45 +60,6 @@ class _MalformedHttp(logging.Filter):
 
 
 MALFORMED_HTTP = _MalformedHttp()
-
-
-def error_body(message: str, kind: str, param: str | None = None, code: Any = None) -> bytes:
-    error = {"message": message, "type": kind, "param": param, "code": code}
-    return msgspec.json.encode({"error": error})
-
-
-# HTTP status -> Anthropic's error type, for the /v1/messages routes
-ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-}
-
-
-def status_of(e: EngineError) -> int:
-    return STATUS.get(type(e), (500, "server_error", None))[0]
-
-
-def anthropic_error(message: str, status: int) -> web.Response:
-    body = anthropic_api.error_body(message, ANTHROPIC_TYPES.get(status, "api_error"))
-    return _json_response(msgspec.json.encode(body), status)
-
-
-def error_response(e: EngineError) -> web.Response:
-    status, kind, code = STATUS.get(type(e), (500, "server_error", None))
-    param = e.field if isinstance(e, InvalidRequest) else None
-    message = e.message if isinstance(e, InvalidRequest) else str(e)
-    return _json_response(error_body(message, kind, param, code), status)
-
-
-def _json_response(body: bytes, status: int = 200) -> web.Response:
-    return web.Response(body=body, status=status, content_type="application/json")
 
 
 class HttpApi:
@@ -177,7 +123,7 @@ class HttpApi:
                 return anthropic_error(e.reason, e.status)
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             code = "request_too_large" if e.status == 413 else None
-            return _json_response(error_body(e.reason, kind, None, code), e.status)
+            return json_response(error_body(e.reason, kind, None, code), e.status)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -200,15 +146,30 @@ class HttpApi:
         facts = self.core.limits
         rid = f"http-{uuid.uuid4().hex}"
         req = openai_api.parse(kind, body, rid, facts.max_context, facts.model)
+        echo = await self._echo(req)
+        if req.best_of > 1:
+            return await self._serve_choices(request, req, echo)
         reply = Reply(req, openai_api.Formatter(req, self.tokenizer), self.tokenizer)
+        reply.echo = echo
         return await self._serve(request, req.generate, req.renamed, reply, req.stream)
+
+    async def _echo(self, req: openai_api.Request) -> str | None:
+        """An `echo` request's prompt text (its token ids decoded, on the pool when long; ids
+        beyond the context are refused at admission, so not decoded here)."""
+        gen = req.generate
+        if not req.echo:
+            return None
+        if gen.prompt is not None:
+            return gen.prompt
+        ids = gen.input_ids or []
+        return await self.fe.detokenize(ids) if len(ids) <= self.core.limits.max_context else ""
 
     async def _serve(
         self,
         request: web.Request,
         gen: tt.Generate,
         renamed: dict[str, str],
-        reply: _Reply,
+        reply: ApiReply,
         stream: bool,
     ) -> web.StreamResponse:
         """Submit, then answer whole or streamed; `renamed`: engine field -> the API's name."""
@@ -217,7 +178,7 @@ class HttpApi:
             entry = await self.fe.submit(gen, owner)
             if stream:
                 return await reply.stream(request, entry)
-            return _json_response(msgspec.json.encode(await reply.whole(entry)))
+            return json_response(msgspec.json.encode(await reply.whole(entry)))
         except InvalidRequest as e:
             # NOTE: also a refusal after admission (the worker pool's: a constraint that does not
             # compile, a long prompt too long), before any byte of the reply was sent
@@ -226,6 +187,35 @@ class HttpApi:
             if gen.rid in self.core.table:  # NOTE: still running: the client went away
                 log.info("rid=%s HTTP client gone; aborting", gen.rid)
                 self.fe.abort(gen.rid, owner)
+
+    async def _serve_choices(
+        self, request: web.Request, req: openai_api.Request, echo: str | None
+    ) -> web.StreamResponse:
+        """`n` > 1 or `best_of` > 1: a request per candidate (tokenizer_proc/choices.py), their
+        replies merged; a refusal of any refuses the whole, and the rest are aborted."""
+        gens = choices.candidates(req.generate, req.best_of)
+        ident = openai_api.Formatter(req, self.tokenizer).id
+        replies = []
+        for i, g in enumerate(gens):
+            fmt = openai_api.Formatter(req, self.tokenizer, index=i, ident=ident)
+            replies.append(Reply(req, fmt, self.tokenizer, tail=False, rid=g.rid))
+            replies[-1].echo = echo
+        try:
+            entries = [await self.fe.submit(g, ("http", g.rid)) for g in gens]
+            if req.stream:
+                return await stream_choices(request, req, replies, entries)
+            wholes = await asyncio.gather(
+                *(r.whole(e) for r, e in zip(replies, entries, strict=True))
+            )
+            scores = [(r.logprob_sum, r.logprob_count) for r in replies]
+            merged = choices.merge(list(wholes), choices.best(scores, req.n))
+            return json_response(msgspec.json.encode(merged))
+        except InvalidRequest as e:
+            raise InvalidRequest(req.renamed.get(e.field, e.field), e.message) from None
+        finally:
+            for g in gens:
+                if g.rid in self.core.table:  # NOTE: still running: the client went away
+                    self.fe.abort(g.rid, ("http", g.rid))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, self.fe.config)
@@ -247,7 +237,7 @@ class HttpApi:
         body = await _json_body(request, self.fe.config)
         messages, tools = anthropic_api.parse_count(body)
         ids = await self.fe.tokenize(tt.Generate("count", messages=messages, tools=tools))
-        return _json_response(msgspec.json.encode({"input_tokens": len(ids)}))
+        return json_response(msgspec.json.encode({"input_tokens": len(ids)}))
 
     # --- utility endpoints ----------------------------------------------------------------------
 
@@ -256,24 +246,24 @@ class HttpApi:
         msg, generation_prompt = openai_api.parse_tokenize(body)
         ids = await self.fe.tokenize(msg, generation_prompt)
         reply = {"count": len(ids), "max_model_len": self.core.limits.max_context, "tokens": ids}
-        return _json_response(msgspec.json.encode(reply))
+        return json_response(msgspec.json.encode(reply))
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await _json_body(request, self.fe.config)
         ids = openai_api.parse_detokenize(body, self.core.limits.vocab_size)
         text = await self.fe.detokenize(ids)
-        return _json_response(msgspec.json.encode({"prompt": text}))
+        return json_response(msgspec.json.encode({"prompt": text}))
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name != self.core.limits.model:
             body = error_body(f"no model {name!r} here", "invalid_request_error", "model", None)
-            return _json_response(body, 404)
-        return _json_response(msgspec.json.encode(self._model_object()))
+            return json_response(body, 404)
+        return json_response(msgspec.json.encode(self._model_object()))
 
     async def _models(self, request: web.Request) -> web.Response:
         body = {"object": "list", "data": [self._model_object()]}
-        return _json_response(msgspec.json.encode(body))
+        return json_response(msgspec.json.encode(body))
 
     def _model_object(self) -> dict[str, Any]:
         return {
@@ -299,7 +289,7 @@ class HttpApi:
 
 def _health_response(healthy: bool, detail: str) -> web.Response:
     body = {"status": "ok" if healthy else "unhealthy", "detail": detail}
-    return _json_response(msgspec.json.encode(body), 200 if healthy else 503)
+    return json_response(msgspec.json.encode(body), 200 if healthy else 503)
 
 
 async def _json_body(request: web.Request, config: EngineConfig) -> Any:
@@ -334,227 +324,7 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
         raise limits.nesting_error(config, "body") from None
 
 
-class _Reply:
-    """What both APIs' replies share: text and tool calls chunk by chunk (the tool-call parser
-    when tools were offered), and the SSE stream; each API's subclass says what its stream opens
-    with (`_opening`) and what one engine message adds (`_events`)."""
-
-    def __init__(self, rid: str, tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
-        self.rid = rid
-        self.tools = tool_calls.for_request(tokenizer, tools)
-        self.calls = 0
-
-    async def whole(self, entry: Entry) -> dict[str, Any]:
-        raise NotImplementedError
-
-    async def _collect(
-        self, entry: Entry, each: Any = None
-    ) -> tuple[str, tc.Chunk, list[dict[str, Any]]]:
-        """(text, last chunk, tool calls) of a whole reply; `each` sees every chunk."""
-        text, calls = [], []
-        while True:
-            chunk = _chunk(await entry.replies().get())
-            piece, new_calls = self._text(chunk)
-            text.append(piece)
-            calls += new_calls
-            if each is not None:
-                each(chunk)
-            if chunk.finish_reason is not None:
-                _check_finish(chunk)
-                return "".join(text), chunk, calls
-
-    def _opening(self, first: tc.Chunk) -> bytes:
-        return b""
-
-    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
-        """Append the SSE events of one engine message; True when it ends the stream."""
-        raise NotImplementedError
-
-    async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
-        queue = entry.replies()
-        # NOTE: nothing is sent before the engine's first answer, so a refusal after admission
-        # (the scheduler's own queue bound, a drain that began) still gets its HTTP status.
-        first = _chunk(await queue.get())
-        resp = web.StreamResponse(headers=SSE_HEADERS)
-        await resp.prepare(request)
-        out = bytearray(self._opening(first))
-        try:
-            await self._send_events(resp, queue, self._events(first, out), out)
-        except ConnectionResetError:
-            # NOTE: the client left and its stream went on (it ended, or the handler was not
-            # cancelled yet); the caller's `finally` aborts what is still running.
-            log.info("rid=%s HTTP client gone mid-stream", self.rid)
-        return resp
-
-    async def _send_events(
-        self, resp: web.StreamResponse, queue: asyncio.Queue[Any], done: bool, out: bytearray
-    ) -> None:
-        while True:
-            # NOTE: one write for everything that arrived meanwhile (one syscall per batch)
-            while not done and not queue.empty():
-                done = self._events(queue.get_nowait(), out)
-            await resp.write(bytes(out))
-            if done:
-                break
-            out = bytearray()
-            done = self._events(await queue.get(), out)
-        await resp.write_eof()
-
-    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
-        """The chunk's content and tool calls (the tool-call parser holds back marker text)."""
-        if self.tools is None:
-            return chunk.text, []
-        text, calls = self.tools.feed(chunk.text)
-        if chunk.finish_reason is not None:
-            rest, more = self.tools.finish()
-            text, calls = text + rest, calls + more
-        self.calls += len(calls)
-        return text, calls
-
-
-class Reply(_Reply):
-    """One request's replies, turned into OpenAI objects: whole, or streamed as SSE."""
-
-    def __init__(self, req: openai_api.Request, fmt: openai_api.Formatter, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
-        self.req = req
-        self.fmt = fmt
-
-    async def whole(self, entry: Entry) -> dict[str, Any]:
-        logprobs: list[dict[str, Any]] = []
-
-        def keep(chunk: tc.Chunk) -> None:
-            if (lp := self.fmt.logprobs(chunk)) is not None:
-                logprobs.append(lp)
-
-        text, final, calls = await self._collect(entry, keep)
-        return self.fmt.whole(text, final, logprobs, calls)
-
-    def _opening(self, first: tc.Chunk) -> bytes:
-        return _event(self.fmt.stream_chunk(role=True)) if self.req.kind == "chat" else b""
-
-    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
-        if isinstance(msg, tc.Failure):
-            out += _error_event(to_exception(msg))
-            out += DONE
-            return True
-        text, calls = self._text(msg)
-        logprobs = self.fmt.logprobs(msg)
-        if text or calls or (logprobs and msg.token_ids):
-            out += _event(self.fmt.stream_chunk(text, logprobs, tool_calls=calls))
-        if msg.finish_reason is None:
-            return False
-        if msg.finish_reason in ("stop", "length"):
-            reason = openai_api.finish_reason(msg.finish_reason, self.calls > 0)
-            out += _event(self.fmt.stream_chunk(finish=reason))
-        else:
-            out += _error_event(_finish_error(msg))
-        if self.req.include_usage:
-            out += _event(self.fmt.usage_chunk(msg))
-        out += DONE
-        return True
-
-
-class _EventReply(_Reply):
-    """A reply whose stream is typed events from one formatter (Anthropic's Messages, OpenAI's
-    Responses): text deltas, an event per tool call, then the finish or an error event. Each
-    subclass says how its API writes an error (`_error`)."""
-
-    fmt: Any
-    events: Any
-
-    async def whole(self, entry: Entry) -> dict[str, Any]:
-        return self.fmt.whole(*await self._collect(entry))
-
-    def _error(self, e: EngineError) -> bytes:
-        raise NotImplementedError
-
-    def _events(self, msg: tc.Chunk | tc.Failure, out: bytearray) -> bool:
-        if isinstance(msg, tc.Failure):
-            out += self._error(to_exception(msg))
-            return True
-        text, calls = self._text(msg)
-        out += self.events.delta(text)
-        for call in calls:
-            out += self.events.tool_call(call)
-        if msg.finish_reason is None:
-            return False
-        if msg.finish_reason in ("stop", "length"):
-            out += self.events.finish(msg)
-        else:
-            out += self._error(_finish_error(msg))
-        return True
-
-
-class MessagesReply(_EventReply):
-    """One /v1/messages request's replies: a message object, or its stream of events."""
-
-    def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
-        self.req = req
-        self.fmt = anthropic_api.Formatter(req)
-        self.events = anthropic_api.Events(self.fmt)
-
-    def _opening(self, first: tc.Chunk) -> bytes:
-        return self.events.start(first)
-
-    def _error(self, e: EngineError) -> bytes:
-        return _anthropic_error_event(e)
-
-
-class ResponsesReply(_EventReply):
-    """One /v1/responses request's replies: a response object, or its stream of events."""
-
-    def __init__(self, req: responses_api.Request, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
-        self.fmt = responses_api.Formatter(req)
-        self.events = responses_api.Events(self.fmt)
-
-    def _opening(self, first: tc.Chunk) -> bytes:
-        return self.events.start()
-
-    def _error(self, e: EngineError) -> bytes:
-        return _responses_error_event(self.events, e)
-
-
-def _responses_error_event(events: responses_api.Events, e: EngineError) -> bytes:
-    return events.error(str(e), STATUS.get(type(e), (500, "server_error", None))[1])
-
-
 # engine field -> the Messages API's name for it
 ANTHROPIC_NAMES = {"stop": "stop_sequences"}
 # engine field -> the Responses API's name for it
 RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "json_schema": "text.format"}
-
-
-def _anthropic_error_event(e: EngineError) -> bytes:
-    kind = ANTHROPIC_TYPES.get(status_of(e), "api_error")
-    return anthropic_api.event("error", anthropic_api.error_body(str(e), kind))
-
-
-def _chunk(msg: tc.Chunk | tc.Failure) -> tc.Chunk:
-    if isinstance(msg, tc.Failure):
-        raise to_exception(msg)
-    return msg
-
-
-def _check_finish(chunk: tc.Chunk) -> None:
-    if chunk.finish_reason not in ("stop", "length"):
-        raise _finish_error(chunk)
-
-
-def _finish_error(chunk: tc.Chunk) -> EngineError:
-    if chunk.finish_reason == "abort":
-        return ShuttingDown("the request was aborted (the engine is shutting down)")
-    if chunk.invalid is not None:
-        return InvalidRequest(chunk.invalid, chunk.error or "invalid")
-    return EngineError(f"generation failed: {chunk.error or chunk.finish_reason}")
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-def _error_event(e: EngineError) -> bytes:
-    status, kind, code = STATUS.get(type(e), (500, "server_error", None))
-    return b"data: " + error_body(str(e), kind, None, code or status) + b"\n\n"

@@ -2,7 +2,8 @@
 `InvalidRequest` naming the field), engine chunks become completion objects and stream chunks.
 
 Every field a request may carry is listed here; any other field, or a value we cannot honour
-(`n` > 1, a forced tool), is a 400 naming it, never silently ignored.
+(a `logit_bias`), is a 400 naming it, never silently ignored. `n` choices and `best_of`
+candidates are each a request of their own (tokenizer_proc/choices.py).
 """
 
 from __future__ import annotations
@@ -37,17 +38,14 @@ SAMPLING = (
 )
 # accepted fields that change nothing: identity strings, and neutral values of what we lack
 IGNORED = ("model", "user", "store", "metadata", "service_tier")
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
-    "echo": (False,),
-    "logit_bias": ({},),
-}
+NEUTRAL: dict[str, tuple[Any, ...]] = {"logit_bias": ({},)}
 COMMON = {*SAMPLING, *IGNORED, *NEUTRAL, "stream", "stream_options", "max_tokens", "stop"}
-COMMON |= {"response_format"}
+COMMON |= {"response_format", "n"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"}
 CHAT |= {"tool_choice", "parallel_tool_calls"}
-COMPLETION = COMMON | {"prompt", "logprobs"}
+COMPLETION = COMMON | {"prompt", "logprobs", "best_of", "echo"}
+# NOTE: each choice (or best_of candidate) is a request: admission counts them all
+MAX_CHOICES = 16
 OPENAI_FINISH = {"stop": "stop", "length": "length"}
 
 
@@ -62,6 +60,9 @@ class Request:
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs asked
     renamed: dict[str, str] = field(default_factory=dict)  # engine field -> the request's name
+    n: int = 1  # choices returned
+    best_of: int = 1  # candidates generated (completions), the n most likely per token kept
+    echo: bool = False  # completions: the prompt before the text (and its logprobs, if asked)
 
 
 def parse(kind: str, body: Any, rid: str, max_context: int, model: str) -> Request:
@@ -75,6 +76,7 @@ def parse(kind: str, body: Any, rid: str, max_context: int, model: str) -> Reque
     _max_tokens(req, body, params, max_context)
     _stop(body, params)
     _logprobs(req, body, params)
+    _choices(req, body, params)
     if "response_format" in body:
         response_format(body["response_format"], params, "response_format")
         req.renamed["json_schema"] = "response_format"
@@ -166,6 +168,28 @@ def _logprobs(req: Request, body: dict[str, Any], params: dict[str, Any]) -> Non
     req.top_logprobs = top
     params["logprobs"] = max(top, 1)  # NOTE: the engine sends the chosen token's with the top n
     req.renamed["logprobs"] = name
+
+
+def _choices(req: Request, body: dict[str, Any], params: dict[str, Any]) -> None:
+    """`n`, `best_of` and `echo` (the last two on completions only, as OpenAI has them)."""
+    req.n = _count(body, "n", 1)
+    req.best_of = _count(body, "best_of", req.n)
+    if req.best_of < req.n:
+        raise InvalidRequest("best_of", f"must be at least n ({req.n}), got {req.best_of}")
+    if req.best_of > req.n:
+        if req.stream:
+            raise InvalidRequest("best_of", "more candidates than n cannot be streamed")
+        params["logprobs"] = max(params.get("logprobs", 0), 1)  # NOTE: the ranking's
+    req.echo = flag(body, "echo", False)
+    if req.echo and req.top_logprobs is not None:
+        params["prompt_logprobs"] = req.top_logprobs
+
+
+def _count(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name, default)
+    if type(value) is not int or not 1 <= value <= MAX_CHOICES:
+        raise InvalidRequest(name, f"must be an integer in [1, {MAX_CHOICES}], got {value!r}")
+    return value
 
 
 def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
@@ -287,10 +311,12 @@ def usage(final: tc.Chunk) -> dict[str, Any]:
 class Formatter:
     """Builds one request's response objects (whole or streamed) in its API's shape."""
 
-    def __init__(self, req: Request, tokenizer: Any) -> None:
+    def __init__(self, req: Request, tokenizer: Any, index: int = 0, ident: str = "") -> None:
+        """`index`: the choice it writes; `ident`: the response's id (shared by its choices)."""
         self.req = req
         self.tokenizer = tokenizer
-        self.id = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.index = index
+        self.id = ident or ("chatcmpl-" if req.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if req.kind == "chat" else "text_completion"
 
@@ -309,6 +335,22 @@ class Formatter:
             "tokens": [self._text(t) for t, _ in pairs],
             "token_logprobs": [lp.logprob for _, lp in pairs],
             "top_logprobs": [{self._text(i): v for i, v in lp.top[:n]} for _, lp in pairs],
+        }
+
+    def prompt_logprobs(self, chunk: tc.Chunk) -> dict[str, Any] | None:
+        """An echoed prompt's logprobs (completions), from the request's first chunk: the first
+        token's are null, as OpenAI's."""
+        if self.req.top_logprobs is None or not chunk.prompt_ids:
+            return None
+        n, pairs = self.req.top_logprobs, zip(chunk.prompt_ids, chunk.prompt_logprobs, strict=True)
+        entries = [(self._text(t), lp) for t, lp in pairs]
+        return {
+            "tokens": [text for text, _ in entries],
+            "token_logprobs": [None if lp is None else lp.logprob for _, lp in entries],
+            "top_logprobs": [
+                None if lp is None else {self._text(i): v for i, v in lp.top[:n]}
+                for _, lp in entries
+            ],
         }
 
     def _chat_logprob(self, token: int, lp: Any, n: int) -> dict[str, Any]:
@@ -338,9 +380,9 @@ class Formatter:
                 delta["content"] = text
             if tool_calls:
                 delta["tool_calls"] = tool_calls
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": self.index, "text": text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
         out = {**self._envelope(True), "choices": [choice]}
@@ -360,7 +402,7 @@ class Formatter:
         logprobs: list[dict[str, Any]],
         tool_calls: list[dict[str, Any]],
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.req.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:

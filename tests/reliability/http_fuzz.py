@@ -57,7 +57,7 @@ class Probe:
 
 def probes(seed: int, n: int) -> Iterator[Probe]:
     rng = random.Random(seed)
-    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_items] * 2 + [_bad_constraint] * 2 + [_bad_utility,
+    makers = [_bad_field] * 6 + [_bad_messages] * 2 + [_bad_blocks] * 2 + [_bad_items] * 2 + [_bad_constraint] * 2 + [_choices, _bad_utility,
               _unknown_field,
               _bad_json, _bad_json,
               _deep, _bad_headers, _bad_headers, _truncated, _method_path, _method_path,
@@ -111,6 +111,18 @@ def _bad_field(rng: random.Random) -> Probe:
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
         body[rng.choice(FIELDS)] = _hostile(rng)
     return _post(path, body, "hostile field")
+
+
+def _choices(rng: random.Random) -> Probe:
+    """Several choices (each a request of its own), best_of, echo, prompt logprobs: valid, or
+    one field hostile."""
+    path, body = _base(rng)
+    body["n"] = rng.choice([2, 16])
+    if path == COMPLETIONS:
+        body.update(best_of=rng.choice([body["n"], 16]), echo=True, logprobs=rng.randrange(6))
+    if rng.random() < 0.5:
+        body[rng.choice(["n", "best_of", "echo", "logprobs", "seed"])] = _hostile(rng)
+    return _post(path, body, "choices")
 
 
 def _bad_messages(rng: random.Random) -> Probe:
