@@ -27,13 +27,23 @@ class StreamChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # completed in this delta
+    # NOTE: with `prompt_logprobs`, on the first delta: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, c: Chunk) -> StreamChunk:
         """From a `Chunk` (straight from the scheduler in `OfflineEngine`: no text)."""
         usage = Usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         return cls(
-            c.rid, c.text, c.token_ids, c.finish_reason, usage, c.logprobs, c.error, c.tool_calls
+            c.rid,
+            c.text,
+            c.token_ids,
+            c.finish_reason,
+            usage,
+            c.logprobs,
+            c.error,
+            c.tool_calls,
+            c.prompt_logprobs,
         )
 
 
@@ -47,8 +57,10 @@ class GenerateResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def add(self, chunk: StreamChunk) -> None:
+        self.prompt_logprobs += chunk.prompt_logprobs
         self.text += chunk.text
         self.tool_calls += chunk.tool_calls
         self.token_ids += chunk.token_ids

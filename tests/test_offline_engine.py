@@ -23,8 +23,9 @@ def test_generate_with_one_dict_and_per_prompt_dicts(tiny_weights_dir):
         model = tiny_model(tiny_weights_dir)
         assert [r.token_ids for r in same] == [reference_greedy(model, p, 6) for p in prompts]
         assert all(r.finish_reason == "length" and r.usage.completion_tokens == 6 for r in same)
-        per = eng.generate(prompts[:2], [dict(max_tokens=2), dict(max_tokens=3, seed=1)])
+        per = eng.generate(prompts[:2], [dict(max_tokens=2), dict(max_tokens=3, prompt_logprobs=0)])
         assert [len(r.token_ids) for r in per] == [2, 3]
+        assert not per[0].prompt_logprobs and len(per[1].prompt_logprobs) == len(prompts[1])
         stats = eng.stats()
         assert stats["generated_tokens"] == 5 * 6 + 5
         assert stats["requests_finished"] == 7 and stats["kv_tokens_in_use"] == 0
