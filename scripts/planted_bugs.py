@@ -45,6 +45,8 @@ DEFAULT_TESTS = (
     "tests/test_decode_attention.py",
     "tests/test_prefix_cache_parity.py",
     "tests/test_scheduler_lifecycle.py",
+    "tests/test_scheduler_penalties.py",
+    "tests/test_scheduler_sampling.py",
 )
 MIN_TIMEOUT_S = 600.0
 DEADLINE_TEXT = "the test ran past its deadline"  # tests/engine_harness.py `deadline`
@@ -276,6 +278,38 @@ BUGS = (
         "scheduler_proc/kv_cache.py",
         "            self.keys[i][:, d] = k\n",
         "            self.keys[i][:, d] = self.keys[i][:, s]\n",
+    ),
+    # -- long prompts' causal chunks, prompt logprobs ------------------------------------------
+    Bug(
+        "a lone causal chunk's keys run past its queries (the causal kernel never runs)",
+        "scheduler_proc/runner.py",
+        "kv_len = first.start + width if lone else",
+        "kv_len = first.start + width + 32 if lone else",
+    ),
+    Bug(
+        "prompt logprobs read the logits one position late",
+        "scheduler_proc/runner.py",
+        "logits[j0 - 1 - c.start : j1 - 1 - c.start]",
+        "logits[j0 - c.start : j1 - c.start]",
+    ),
+    # -- sampling penalties (issue 21: each passed every test file before) ---------------------
+    Bug(
+        "the repetition penalty ignores the prompt's tokens",
+        "scheduler_proc/sampling.py",
+        "    seen = prompt_seen | (counts > 0)\n",
+        "    seen = counts > 0\n",
+    ),
+    Bug(
+        "the presence penalty is multiplied by the count",
+        "scheduler_proc/sampling.py",
+        "x = x - state.presence[:, None] * (counts > 0)",
+        "x = x - state.presence[:, None] * counts",
+    ),
+    Bug(
+        "chained decode steps never update the penalty counts",
+        "scheduler_proc/sampling.py",
+        "counts = counts.at[mx.arange(tokens.size), tokens].add(1.0)",
+        "counts = counts",
     ),
 )
 
