@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from engine import open_files
 from engine.config import EngineConfig
 from engine.ipc import Endpoints, PullQueue, PushQueue
 from engine.messages.to_launcher import (
@@ -53,6 +54,8 @@ def run_engine(config: EngineConfig) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s launcher[%(process)d] %(levelname)s %(message)s",
     )
+    soft, hard = open_files.raise_limit()  # NOTE: children inherit it
+    log.info("open files: at most %d (hard limit %s)", soft, open_files.describe(hard))
     busy = None if config.tp_rank > 0 else _port_in_use(config.host, config.zmq_port)
     if busy:
         # NOTE: before anything starts: a busy port must not cost a model load (minutes for a
