@@ -87,6 +87,15 @@ class EngineConfig:
         8 << 20, "Largest client frame (bytes); 4x this drops the connection"
     )
     max_body_bytes: int = _opt(8 << 20, "Largest HTTP request body (bytes); beyond it, 413")
+    http_max_connections: int = _opt(
+        0, "Most open HTTP connections; 0: the open-file limit less 512 (at most 65536)"
+    )
+    http_max_connections_per_peer: int = _opt(
+        1024, "Most open HTTP connections from one address (0: no cap)"
+    )
+    http_keepalive_timeout: float = _opt(
+        30.0, "Seconds an idle keep-alive HTTP connection stays open"
+    )
     max_prompt_chars: int = _opt(
         1_000_000, "Most characters in a prompt, or in all its messages and tools"
     )
@@ -155,6 +164,13 @@ class EngineConfig:
             raise ValueError("max_total_tokens must be >= 0")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        for name in ("http_max_connections", "http_max_connections_per_peer"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.http_keepalive_timeout <= 0:
+            raise ValueError(
+                f"http_keepalive_timeout must be > 0, got {self.http_keepalive_timeout}"
+            )
         if self.client_timeout <= 0:
             raise ValueError(f"client_timeout must be > 0, got {self.client_timeout}")
         if not 0.0 < self.client_share <= 1.0:

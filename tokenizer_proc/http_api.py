@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import uuid
 from typing import Any
 
@@ -23,7 +24,7 @@ from engine.errors import (
     InvalidRequest,
 )
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import anthropic_api, choices, limits, openai_api, responses_api
+from tokenizer_proc import anthropic_api, choices, connections, limits, openai_api, responses_api
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_errors import (
     BodyTooLarge,
@@ -88,20 +89,36 @@ class HttpApi:
             ]
         )
         self.runner: web.AppRunner | None = None
+        self.server: asyncio.Server | None = None
+        self.guard: connections.ConnectionGuard | None = None
 
     async def start(self, host: str, port: int) -> None:
         # NOTE: handler_cancellation: a client that disconnects cancels its handler, whose
         # `finally` aborts the request (its KV is free within a step or two).
+        config = self.fe.config
         self.runner = web.AppRunner(
             self.app,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            keepalive_timeout=config.http_keepalive_timeout,
         )
         await self.runner.setup()
-        await web.TCPSite(self.runner, host, port).start()
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        total = connections.max_connections(config, soft)
+        per_peer = config.http_max_connections_per_peer
+        self.guard = connections.ConnectionGuard(total, per_peer, config.client_timeout)
+        loop = asyncio.get_running_loop()
+        connections.quiet_accept_errors(loop)
+        factory = self.guard.factory(self.runner.server)  # type: ignore[arg-type]
+        self.server = await loop.create_server(
+            factory, host, port, reuse_address=True, backlog=1024
+        )
+        log.info("HTTP: at most %d connections, %d a peer", total, per_peer)
 
     async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()  # NOTE: no new connections; the runner closes the open ones
         if self.runner is not None:
             await self.runner.cleanup()
 
