@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol, TypeVar
 
+from engine import control_token
 from engine.errors import EngineDead, EngineError, Timeout
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
@@ -127,10 +128,14 @@ class _Client:
         return tt.Hello(_rid(), PROTOCOL_VERSION, self._key)
 
     def _stats(self) -> tt.GetStats:
-        return tt.GetStats(_rid(), self._key)
+        return tt.GetStats(_rid(), self._control_key())
 
     def _shutdown(self) -> tt.ShutdownEngine:
-        return tt.ShutdownEngine(_rid(), self._key)
+        return tt.ShutdownEngine(_rid(), self._control_key())
+
+    def _control_key(self) -> str | None:
+        """The API key, else the owner's token for this address (engine/control_token.py)."""
+        return self._key or control_token.read(control_token.port_of(self.address))
 
     def _no_engine(self) -> EngineDead:
         return EngineDead(f"no engine answers at {self.address}")

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from engine import open_files
+from engine import control_token, open_files
 from engine.config import EngineConfig
 from engine.ipc import Endpoints, PullQueue, PushQueue
 from engine.messages.to_launcher import (
@@ -62,8 +62,24 @@ def run_engine(config: EngineConfig) -> int:
         # large model) to be found out.
         log.error("cannot serve on tcp://%s:%d: %s", config.host, config.zmq_port, busy)
         return 1
-    with _private_dir() as run_dir:
+    with _private_dir() as run_dir, _control_token(config):
         return Launcher(config, run_dir).run()
+
+
+@contextmanager
+def _control_token(config: EngineConfig) -> Iterator[None]:
+    """Without --api-key, control messages need the owner's token (engine/control_token.py):
+    written for the SDK on this machine and user, handed to the front door in the environment
+    (children copy it when they start)."""
+    if config.api_key or config.tp_rank > 0:
+        yield
+        return
+    token = control_token.create(config.zmq_port)
+    os.environ[control_token.ENV] = token
+    try:
+        yield
+    finally:
+        control_token.remove(config.zmq_port, token)
 
 
 def _port_in_use(host: str, port: int) -> str | None:

@@ -167,3 +167,36 @@ def test_the_in_process_engine_applies_the_same_key_rule(tiny_model_dir, monkeyp
         assert isinstance(reply, tc.Failure) and reply.kind == "unauthorized"
     finally:
         transport.close()
+
+
+@pytest.fixture(scope="module")
+def keyless(tiny_model_dir: Path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("keyless") / "launch.log"
+    launched = LaunchedEngine(tiny_model_dir, log).wait_ready()
+    yield launched
+    launched.stop()
+
+
+def test_without_a_key_control_messages_need_the_owners_token(keyless):
+    """Without --api-key any local process could stop the engine or read its stats; now a raw
+    socket's control messages are refused, the launching user's SDK (which reads the token
+    file, 0600 in a 0700 directory) still stops it, and generation stays open to all."""
+    from engine import control_token
+
+    port = control_token.port_of(keyless.address)
+    path = control_token.path_for(port)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    with raw_dealer(keyless.address) as ask:
+        raw = lambda msg: ask(msgspec.msgpack.encode(msg))  # noqa: E731
+        assert isinstance(raw(tt.Hello("w1", PROTOCOL_VERSION)), tc.Welcome)
+        for msg in (tt.ShutdownEngine("x1"), tt.GetStats("s1"), tt.ShutdownEngine("x2", "guess")):
+            reply = raw(msg)
+            assert isinstance(reply, tc.Failure) and reply.kind == "unauthorized", (msg, reply)
+            assert "owner" in reply.message
+        reply = raw(tt.Generate("g1", input_ids=[1, 2], params={"max_tokens": 2}))
+        assert isinstance(reply, tc.Chunk)
+    with EngineClient(keyless.address, timeout=10.0) as c:
+        assert c.health() and "requests_received" in c.stats()
+        c.shutdown()
+    assert keyless.proc.wait(timeout=30) == 0
+    assert not path.exists(), "the token outlived its engine"

@@ -35,6 +35,10 @@ log = logging.getLogger("tokenizer")
 
 HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
 NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
+NO_TOKEN = (
+    "shutdown and stats are for the engine's owner: the SDK of the user who launched it reads "
+    "its control token (engine/control_token.py); or launch with --api-key"
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class Limits:
     max_context: int
     max_in_flight: int  # running + queued: beyond it, Overloaded
     api_key: str | None = None
+    # NOTE: without an API key, what control messages must carry (engine/control_token.py);
+    # None: no token asked (the in-process engine, whose caller owns it)
+    control_token: str | None = None
 
 
 class FrontDoor:
@@ -73,12 +80,18 @@ class FrontDoor:
 
     def allows(self, msg: tt.FromClient, welcomed: bool) -> bool:
         """With a key, a client is served once its Hello carried it (`welcomed`), and its
-        control messages must carry it again; Hello and Ping are always answered."""
-        if not self.limits.api_key or isinstance(msg, (tt.Hello, tt.Ping)):
-            return True
-        if isinstance(msg, (tt.GetStats, tt.ShutdownEngine)) and not self.key_ok(msg.api_key):
-            return False
-        return welcomed
+        control messages must carry it again; without one, control messages carry the owner's
+        token. Hello and Ping are always answered."""
+        if isinstance(msg, (tt.GetStats, tt.ShutdownEngine)):
+            return self.control_ok(msg.api_key) and (welcomed or not self.limits.api_key)
+        return not self.limits.api_key or isinstance(msg, (tt.Hello, tt.Ping)) or welcomed
+
+    def control_ok(self, key: str | None) -> bool:
+        """The key of an engine with one, else the control token (when one is set)."""
+        if self.limits.api_key:
+            return self.key_ok(key)
+        token = self.limits.control_token
+        return not token or (key is not None and hmac.compare_digest(key.encode(), token.encode()))
 
     def welcome(self, msg: tt.Hello) -> tc.Welcome | tc.Failure:
         if msg.version != PROTOCOL_VERSION:
@@ -241,9 +254,10 @@ class FrontDoor:
         return self.metrics.render(self.stats(scheduler))
 
 
-def unauthorized(msg: tt.FromClient) -> tc.Failure:
-    """The answer to a client message refused for want of the key."""
-    return tc.Failure(getattr(msg, "rid", ""), "unauthorized", NO_KEY)
+def unauthorized(msg: tt.FromClient, keyed: bool = True) -> tc.Failure:
+    """The answer to a client message refused for want of the key (`keyed`: the engine has one),
+    or, without one, of the owner's control token."""
+    return tc.Failure(getattr(msg, "rid", ""), "unauthorized", NO_KEY if keyed else NO_TOKEN)
 
 
 class HealthProbe:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import constraints
+from engine import constraints, control_token
 from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
@@ -65,6 +66,7 @@ class Frontend:
                 max_context=facts.max_context,
                 max_in_flight=config.max_running_requests + config.max_queued_requests,
                 api_key=config.api_key,
+                control_token=os.environ.get(control_token.ENV),
             )
         )
         self.table = self.core.table
@@ -233,7 +235,7 @@ class Frontend:
             return
         if not self.core.allows(msg, client in self._welcomed):
             if not isinstance(msg, tt.Goodbye):
-                await self._send(client, unauthorized(msg))
+                await self._send(client, unauthorized(msg, bool(self.config.api_key)))
             return
         await self._on_client(client, msg)
 
