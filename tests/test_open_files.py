@@ -10,8 +10,6 @@ import sys
 
 import pytest
 
-from engine import open_files
-
 PROBE = """
 import resource
 {first}
@@ -23,11 +21,11 @@ print(raised[0], resource.getrlimit(resource.RLIMIT_NOFILE)[0], resource.getrlim
 
 
 def _run(code: str, soft: int, hard: int) -> subprocess.CompletedProcess:
-    def limit() -> None:  # NOTE: the real call: this process imported `engine` (the guard)
-        open_files._setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
+    # NOTE: the limit is set by the child itself, first: a preexec_fn in this many-threaded
+    # process can deadlock the fork (it hung the whole suite once)
+    first = f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
     return subprocess.run(
-        [sys.executable, "-c", code], preexec_fn=limit, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", first + code], capture_output=True, text=True, timeout=120
     )
 
 
