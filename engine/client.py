@@ -134,8 +134,10 @@ class _Client:
         return tt.ShutdownEngine(_rid(), self._control_key())
 
     def _control_key(self) -> str | None:
-        """The API key, else the owner's token for this address (engine/control_token.py)."""
-        return self._key or control_token.read(control_token.port_of(self.address))
+        """The owner's token for this address when this user has one (engine/control_token.py),
+        else the API key: an engine with client keys (--api-keys-file) and no --api-key takes
+        only its owner's token, whatever key the client connected with."""
+        return control_token.for_address(self.address) or self._key
 
     def _no_engine(self) -> EngineDead:
         return EngineDead(f"no engine answers at {self.address}")

@@ -14,6 +14,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import api_keys
+
 ON_OFF_AUTO = ("auto", "on", "off")
 
 
@@ -34,6 +36,16 @@ class EngineConfig:
         default=None,
         repr=False,
         metadata={"help": "Key every HTTP and ZMQ client must present [env MLX_ENGINE_API_KEY]"},
+    )
+    api_keys_file: str | None = _opt(
+        None,
+        "File of client API keys, a line each (`NAME KEY`): each key is a client of its own for "
+        "fair admission; --api-key stays the owner's key (the one that may stop the engine)",
+    )
+    trusted_proxies: str = _opt(
+        "",
+        "Comma-separated addresses of HTTP proxies whose X-Forwarded-For names the client "
+        "(fair admission); elsewhere the client is the peer address",
     )
     max_running_requests: int = _opt(
         0,
@@ -104,7 +116,9 @@ class EngineConfig:
     max_stop_chars: int = _opt(256, "Longest stop string (characters)")
     max_nesting_depth: int = _opt(32, "Deepest nesting of lists and maps in messages and params")
     client_share: float = _opt(
-        0.5, "Fraction of admission (running + queued requests) one client connection may hold"
+        0.5,
+        "Fraction of admission (running + queued requests) one client may hold: an API key of "
+        "--api-keys-file, else an HTTP peer address or an SDK connection",
     )
     client_timeout: float = _opt(
         30.0,
@@ -193,11 +207,19 @@ class EngineConfig:
             raise ValueError(
                 f"prefill_attention must be auto, ops or fast, got {self.prefill_attention}"
             )
-        if not self.api_key and not _loopback(self.host):
+        if not (self.api_key or self.api_keys_file) and not _loopback(self.host):
             raise ValueError(
                 f"--host {self.host} accepts clients from other machines: set --api-key (or "
-                "MLX_ENGINE_API_KEY) so they must present a key, or bind 127.0.0.1"
+                "MLX_ENGINE_API_KEY, or --api-keys-file) so they must present a key, or bind "
+                "127.0.0.1"
             )
+        if self.api_keys_file:
+            api_keys.load(self.api_keys_file)  # NOTE: a bad file is found before a model loads
+        for proxy in filter(None, (p.strip() for p in self.trusted_proxies.split(","))):
+            try:
+                ipaddress.ip_address(proxy)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {proxy!r} is not an IP address") from None
         if self.tp < 1 or self.tp_rank < 0:
             raise ValueError(f"tp must be >= 1 and tp_rank >= 0, got {self.tp}, {self.tp_rank}")
         if self.tp_rank > 0 and not self.tp_hostfile:

@@ -15,6 +15,7 @@ import secrets
 from pathlib import Path
 
 ENV = "MLX_ENGINE_CONTROL_TOKEN"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def runtime_dir() -> Path:
@@ -65,3 +66,10 @@ def port_of(address: str) -> int | None:
         return int(address.rsplit(":", 1)[1])
     except ValueError:
         return None
+
+
+def for_address(address: str) -> str | None:
+    """The token of the engine an SDK address names, when that engine is on this machine (a
+    token is never sent to another host, which could be anyone's engine on that port)."""
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return read(port_of(address)) if host in LOCAL_HOSTS else None

@@ -23,7 +23,7 @@ from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare, tool_calls, tool_choice
-from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
+from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, unauthorized
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("engine.inprocess")
@@ -130,13 +130,11 @@ class InProcessEngine:
         self.sched = Scheduler(self.config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
         self.tokenizer = load_tokenizer(Path(model_dir))
         self.detok = Detokenizer(self.tokenizer)
+        slots = self.sched.running.slots
         self.core = FrontDoor(
-            Limits(
-                model=model_dir.name,
-                vocab_size=int(self.sched.vocab),
-                max_context=self.sched.max_context,
-                max_in_flight=self.config.max_running_requests + self.config.max_queued_requests,
-                api_key=self.config.api_key,
+            limits_for(
+                self.config,
+                (model_dir.name, int(self.sched.vocab), self.sched.max_context, slots),
             )
         )
         self.welcomed = False
@@ -210,8 +208,8 @@ class InProcessEngine:
             entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
 
         def screen() -> None:
-            # NOTE: the front door's limits, in its order (tokenizer_proc.frontend._admit); not
-            # the per-connection share: every client of this engine is one connection.
+            # NOTE: the front door's limits, in its order (tokenizer_proc.frontend._admit); no
+            # fair share (the entry names no client): every caller of this engine is one.
             limits.check_generate(msg, self.config, self.core.limits.max_context)
             if msg.tool_choice is not None:
                 tool_choice.force(msg, self.tokenizer)

@@ -72,6 +72,8 @@ def _control_token(config: EngineConfig) -> Iterator[None]:
     written for the SDK on this machine and user, handed to the front door in the environment
     (children copy it when they start)."""
     if config.api_key or config.tp_rank > 0:
+        # NOTE: a token left by an engine that died on this port would be sent instead of the key
+        control_token.path_for(config.zmq_port).unlink(missing_ok=True)
         yield
         return
     token = control_token.create(config.zmq_port)

@@ -99,6 +99,7 @@ def scheduler_facts(model_dir: Path, scheduler: Scheduler) -> SchedulerFacts:
         kv_budget_tokens=scheduler.kv_plan.budget.tokens,
         prefix_cache_tokens=0 if scheduler.prefix is None else scheduler.kv_plan.tokens,
         tokenizer_defaults=tokenizer_defaults(model_dir),
+        running_slots=scheduler.running.slots,
     )
 
 
@@ -167,7 +168,7 @@ class SchedulerLoop:
             if self.drain_at is not None:
                 raise ShuttingDown("the engine is shutting down")
             # NOTE: the front door checked prompt and params against this scheduler's facts.
-            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True)
+            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True, client=msg.client)
         except EngineError as e:
             self._refuse(msg.rid, e)
         except Exception as e:  # NOTE: one bad request never takes the scheduler down

@@ -213,7 +213,7 @@ class ReplicatedLoop:
             if self.drain_at is not None:
                 raise ShuttingDown("the engine is shutting down")
             # NOTE: rank 0's front door checked prompt and params against the agreed facts.
-            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True)
+            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True, client=msg.client)
         except EngineError as e:
             self._tell(RequestFailed(to_failure(msg.rid, e)))
 

@@ -26,6 +26,7 @@ class Req:
     seed: int
     max_new: int  # max_tokens, capped by the context
     stop_ids: frozenset[int]
+    client: str = ""  # the unit of fair scheduling (scheduler_proc/waiting.py)
     state: State = State.WAITING
     slot: int | None = None  # its rings / state slot while it runs
     pages: list[int] = field(default_factory=list)  # page table: its KV, in position order

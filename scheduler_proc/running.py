@@ -7,6 +7,8 @@ decode step's rows are the decoding requests in order, whatever their slots.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from scheduler_proc.request import Req
 
 
@@ -16,6 +18,7 @@ class RunningTable:
         self._free = list(range(slots - 1, -1, -1))
         self._decode: list[Req] = []
         self._prefill: list[Req] = []
+        self._rows: Counter[str] = Counter()  # client -> running rows (scheduler_proc/waiting.py)
 
     @property
     def free_slots(self) -> int:
@@ -42,6 +45,7 @@ class RunningTable:
         assert req.slot is None, f"{req.rid}: admitted twice"
         req.slot = self._free.pop()
         self._prefill.append(req)
+        self._rows[req.client] += 1
 
     def promote(self, req: Req) -> None:
         """A prefilling request starts decoding: it joins the decode rows, last."""
@@ -55,7 +59,22 @@ class RunningTable:
         (self._decode if req in self._decode else self._prefill).remove(req)
         self._free.append(slot)
         req.slot = None
+        self._rows[req.client] -= 1
+        if not self._rows[req.client]:
+            del self._rows[req.client]
 
-    def newest(self) -> Req:
-        """The request admitted last: the first to give its pages back when decode runs out."""
-        return max(self.reqs, key=lambda r: r.admitted)
+    def rows_of(self, client: str) -> int:
+        return self._rows.get(client, 0)
+
+    def clients(self) -> list[str]:
+        """Clients with running rows, in the order they first took one (deterministic)."""
+        return list(self._rows)
+
+    def newest(self, client: str | None = None) -> Req:
+        """The request admitted last (of `client`): the first to give its pages back."""
+        reqs = [r for r in self.reqs if client is None or r.client == client]
+        return max(reqs, key=lambda r: r.admitted)
+
+    def heaviest(self) -> str:
+        """The client holding the most rows (the first to take its rows, at a tie)."""
+        return max(self._rows, key=self._rows.__getitem__)

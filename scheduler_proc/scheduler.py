@@ -11,7 +11,6 @@ import logging
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from pathlib import Path
@@ -47,6 +46,7 @@ from scheduler_proc.running import RunningTable
 from scheduler_proc.sampling import Sampled, advance
 from scheduler_proc.shapes import Ladders
 from scheduler_proc.step_times import StepTimes
+from scheduler_proc.waiting import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Scheduler:
         # NOTE: False under tensor parallel: a failed step (a lost peer) must stop the engine.
         self.contain_errors = True
         self._rng = random.Random(config.seed)
-        self._waiting: deque[Req] = deque()
+        self._waiting = WaitingQueue()
         self._reqs: dict[str, Req] = {}
         self._touched: dict[str, Req] = {}
         self._to_free: dict[str, Req] = {}
@@ -159,10 +159,16 @@ class Scheduler:
 
     # -- public interface --------------------------------------------------------------------
     def submit(
-        self, rid: str, input_ids: list[int], params: SamplingParams, checked: bool = False
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        checked: bool = False,
+        client: str = "",
     ) -> None:
-        """Queue a request. `checked`: the front door already ran the prompt and parameter rules
-        against this scheduler's limits (tokenizer_proc/prepare.py), so they run once."""
+        """Queue a request of `client` (the unit of fair scheduling, scheduler_proc/waiting.py).
+        `checked`: the front door already ran the prompt and parameter rules against this
+        scheduler's limits (tokenizer_proc/prepare.py), so they run once."""
         if self._closed:
             raise ShuttingDown("the scheduler is shutting down")
         if rid in self._reqs:
@@ -175,7 +181,7 @@ class Scheduler:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         max_new = min(params.max_tokens, self.max_context - len(input_ids))
-        req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop))
+        req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop), client)
         if params.constrained:
             if not checked:
                 constraints.check(params)
@@ -341,12 +347,29 @@ class Scheduler:
         return any(r.finished for r in nxt.decode) or self._admissible()
 
     def _admissible(self) -> bool:
-        """Whether the first waiting request could be admitted now (a slot, and pages by a
-        cheap estimate: free pages and what the prefix cache could give up)."""
-        if not self._waiting or self.running.free_slots == 0:
+        """Whether the next waiting request could be admitted now (a slot, and pages by a
+        cheap estimate: free pages and what the prefix cache could give up), or a row given
+        back for it (`_fair_victim`)."""
+        if not self._waiting:
             return False
-        req = self._waiting[0]
-        return self.kv.could_free(self.pool.pages_for(req.fill_len) + self.running.n_decode)
+        req = self._waiting.peek(self.running.rows_of)
+        if self.running.free_slots > 0 and self.kv.could_free(
+            self.pool.pages_for(req.fill_len) + self.running.n_decode
+        ):
+            return True
+        return self._fair_victim(req) is not None
+
+    def _fair_victim(self, req: Req) -> Req | None:
+        """The row to give back so `req`'s client, below its share of the running rows (the rows
+        in use split among the clients running or waiting), gets one: the newest of the client
+        most above it. None when no client is above its share."""
+        rows = self.running.rows_of
+        clients = set(self._waiting.clients()) | set(self.running.clients())
+        share = max(1, len(self.running.reqs) // len(clients))
+        if rows(req.client) >= share or not self.running.reqs:
+            return None
+        heavy = self.running.heaviest()
+        return self.running.newest(heavy) if rows(heavy) > share else None
 
     # -- launches ----------------------------------------------------------------------------
     def prepare_launch(self, batch: Batch) -> None:
@@ -411,12 +434,26 @@ class Scheduler:
         return batch
 
     def _admit(self) -> None:
-        """Waiting requests take a slot and their pages (a cached prefix shared) in arrival
-        order, while pages remain beside one per decoding request for their growth."""
+        """Waiting requests take a slot and their pages (a cached prefix shared), fairly across
+        clients (scheduler_proc/waiting.py), while pages remain beside one per decoding request
+        for their growth. A client below its share of rows that gets none takes one from the
+        client most above it (one a step, so a flood is rebalanced without thrashing)."""
+        blocked = self._admit_waiting()
+        victim = self._fair_victim(blocked) if blocked is not None else None
+        if victim is not None:
+            self._preempt(victim, "its client holds more than its share of rows")
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> Req | None:
+        """Admit what fits; returns the request that found no slot or pages (None: all were
+        admitted or are deferred)."""
         deferred: list[Req] = []
+        rows = self.running.rows_of
         try:
-            while self._waiting and self.running.free_slots > 0:
-                req = self._waiting.popleft()
+            while self._waiting:
+                if self.running.free_slots == 0:
+                    return self._waiting.peek(rows)
+                req = self._waiting.popleft(rows)
                 if req.building is not None and not self._matcher_ready(req):
                     if not req.finished:
                         deferred.append(req)
@@ -429,12 +466,15 @@ class Scheduler:
                     deferred.append(req)
                     continue
                 if not self._take_pages(req):
-                    break
+                    return req
                 req.state = State.PREFILLING
                 self._admissions += 1
                 req.admitted = self._admissions
+                self._waiting.served(req.client)
+            return None
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
-            self._waiting.extendleft(reversed(deferred))
+            for req in reversed(deferred):
+                self._waiting.appendleft(req)
 
     def _matcher_ready(self, req: Req) -> bool:
         """Whether a constrained request's matcher is built (a failed build ends it)."""
@@ -467,10 +507,10 @@ class Scheduler:
         newest running request gives its pages back and waits to be recomputed."""
         for req in self.running.decoding():
             while req.slot is not None and not self.kv.grow(req):
-                self._preempt(self.running.newest())
+                self._preempt(self.running.newest(self.running.heaviest()), "out of KV pages")
 
-    def _preempt(self, req: Req) -> None:
-        log.info("%s preempted: out of KV pages (%d tokens recomputed later)", req.rid, req.kv_len)
+    def _preempt(self, req: Req, why: str) -> None:
+        log.info("%s preempted: %s (%d tokens recomputed later)", req.rid, why, req.kv_len)
         self.kv.release(req)
         self.running.release(req)
         req.preempt()

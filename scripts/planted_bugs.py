@@ -47,6 +47,7 @@ DEFAULT_TESTS = (
     "tests/test_scheduler_lifecycle.py",
     "tests/test_scheduler_penalties.py",
     "tests/test_scheduler_sampling.py",
+    "tests/test_fair_admission.py",
 )
 MIN_TIMEOUT_S = 600.0
 DEADLINE_TEXT = "the test ran past its deadline"  # tests/engine_harness.py `deadline`
@@ -310,6 +311,18 @@ BUGS = (
         "scheduler_proc/sampling.py",
         "counts = counts.at[mx.arange(tokens.size), tokens].add(1.0)",
         "counts = counts",
+    ),
+    Bug(
+        "a flooding client's rows are never given back to a starved one",
+        "scheduler_proc/scheduler.py",
+        "victim = self._fair_victim(blocked) if blocked is not None else None",
+        "victim = None",
+    ),
+    Bug(
+        "waiting requests served first come, first served across clients",
+        "scheduler_proc/waiting.py",
+        "return min(self._lines, key=lambda c: (rows(c), served.get(c, 0)))",
+        "return next(iter(self._lines))",
     ),
 )
 

@@ -104,7 +104,7 @@ def test_a_caller_gone_while_its_prompt_is_tokenized_leaves_no_entry(tmp_path, t
         frontend.core.limits = replace(frontend.core.limits, max_context=10**6, vocab_size=49152)
         try:
             msg = tt.Generate("long", prompt="word " * 100_000, params={"max_tokens": 1})
-            entry = await frontend.submit(msg, ("http", "long"))
+            entry = await frontend.submit(msg, ("http", "long"), "peer:127.0.0.1")
             await _admitted(frontend)
             frontend.abort("long", ("http", "long"))
             await asyncio.gather(*frontend._tasks)  # NOTE: the pooled tokenization ends

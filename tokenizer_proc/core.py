@@ -12,9 +12,11 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 
+from engine import api_keys
+from engine.config import EngineConfig
 from engine.errors import (
     EngineDead,
     EngineError,
@@ -34,6 +36,9 @@ from tokenizer_proc.requests import Entry, RequestTable
 log = logging.getLogger("tokenizer")
 
 HEALTHY_WITHIN_S = 5.0  # the scheduler loop must have ticked this recently
+# NOTE: the last 1/16 of admission is kept for clients below their fair share, so one that
+# floods never leaves a newcomer nothing (docs/operations.md, "Fair admission").
+RESERVE_DIVISOR = 16
 NO_KEY = "missing or wrong API key: pass api_key= to the client or set MLX_ENGINE_API_KEY"
 NO_TOKEN = (
     "shutdown and stats are for the engine's owner: the SDK of the user who launched it reads "
@@ -49,10 +54,33 @@ class Limits:
     vocab_size: int
     max_context: int
     max_in_flight: int  # running + queued: beyond it, Overloaded
-    api_key: str | None = None
+    api_key: str | None = None  # the owner's
     # NOTE: without an API key, what control messages must carry (engine/control_token.py);
     # None: no token asked (the in-process engine, whose caller owns it)
     control_token: str | None = None
+    client_cap: int = 0  # most one client may hold (`--client-share`); 0: max_in_flight
+    client_keys: Mapping[str, str] = field(default_factory=dict)  # key -> client name
+
+
+def limits_for(
+    config: EngineConfig, model: tuple[str, int, int, int], control_token: str | None = None
+) -> Limits:
+    """The front door's limits from the config and what the scheduler reported: `model` is
+    (name, vocabulary, context, running rows), the rows as --max-running-requests 0 left them
+    to the KV budget."""
+    name, vocab_size, max_context, slots = model
+    capacity = slots + config.max_queued_requests
+    keys = api_keys.load(config.api_keys_file) if config.api_keys_file else {}
+    return Limits(
+        model=name,
+        vocab_size=vocab_size,
+        max_context=max_context,
+        max_in_flight=capacity,
+        client_cap=max(1, int(capacity * config.client_share)),
+        api_key=config.api_key,
+        client_keys=keys,
+        control_token=control_token,
+    )
 
 
 class FrontDoor:
@@ -67,12 +95,32 @@ class FrontDoor:
 
     # --- keys and the welcome -------------------------------------------------------------------
 
+    @property
+    def keyed(self) -> bool:
+        return bool(self.limits.api_key or self.limits.client_keys)
+
     def key_ok(self, key: str | None) -> bool:
-        expected = self.limits.api_key
-        if not expected:
-            return True
-        # NOTE: constant time, so the key cannot be guessed byte by byte from response times.
-        return key is not None and hmac.compare_digest(key.encode(), expected.encode())
+        return not self.keyed or self.key_name(key) is not None
+
+    def key_name(self, key: str | None) -> str | None:
+        """The client a key names (`api_keys.OWNER` for --api-key), None for a wrong key."""
+        if key is None:
+            return None
+        owner, found = self.limits.api_key, None
+        if owner and _same(key, owner):
+            found = api_keys.OWNER
+        # NOTE: every key compared, in constant time, so no key can be guessed byte by byte
+        # from response times.
+        for candidate, name in self.limits.client_keys.items():
+            if _same(key, candidate):
+                found = name
+        return found
+
+    def client_of(self, key: str | None, connection: str) -> str:
+        """The unit of fair admission: the key's client where there are client keys, else the
+        connection (`sdk:ID` of an SDK socket, `peer:ADDRESS` of HTTP)."""
+        name = self.key_name(key) if self.limits.client_keys else None
+        return f"key:{name}" if name is not None else connection
 
     def check_key(self, key: str | None) -> None:
         if not self.key_ok(key):
@@ -84,14 +132,14 @@ class FrontDoor:
         token. Hello and Ping are always answered."""
         if isinstance(msg, (tt.GetStats, tt.ShutdownEngine)):
             return self.control_ok(msg.api_key) and (welcomed or not self.limits.api_key)
-        return not self.limits.api_key or isinstance(msg, (tt.Hello, tt.Ping)) or welcomed
+        return not self.keyed or isinstance(msg, (tt.Hello, tt.Ping)) or welcomed
 
     def control_ok(self, key: str | None) -> bool:
         """The key of an engine with one, else the control token (when one is set)."""
         if self.limits.api_key:
-            return self.key_ok(key)
+            return key is not None and _same(key, self.limits.api_key)
         token = self.limits.control_token
-        return not token or (key is not None and hmac.compare_digest(key.encode(), token.encode()))
+        return not token or (key is not None and _same(key, token))
 
     def welcome(self, msg: tt.Hello) -> tc.Welcome | tc.Failure:
         if msg.version != PROTOCOL_VERSION:
@@ -127,6 +175,7 @@ class FrontDoor:
         self.counters["requests_received"] += 1
         try:
             self._check_admission(msg.rid)
+            self._check_share(entry.client)
             if screen is not None:
                 screen()
             params = SamplingParams.parse(msg.params, self.limits.vocab_size)
@@ -145,6 +194,29 @@ class FrontDoor:
             raise InvalidRequest("rid", f"must be a unique non-empty id, got {rid!r}")
         if len(self.table) >= self.limits.max_in_flight:
             raise Overloaded(f"{len(self.table)} requests in flight; retry later")
+
+    def _check_share(self, client: str | None) -> None:
+        """No client holds more than `--client-share` of admission; and near full, none at or
+        above its fair share (what is left split among the clients in flight, a newcomer
+        counted) takes the reserve meant for those below it."""
+        if client is None:
+            return
+        held, cap = self.table.count(client), self.limits.max_in_flight
+        if held >= (self.limits.client_cap or cap):
+            raise Overloaded(
+                f"this client has {held} requests in flight, its share of admission "
+                "(--client-share); retry later"
+            )
+        reserve = max(1, cap // RESERVE_DIVISOR)
+        if len(self.table) < cap - reserve:
+            return
+        clients = self.table.clients() + (0 if held else 1)
+        fair = max(1, (cap - reserve) // clients)
+        if held >= fair:
+            raise Overloaded(
+                f"admission is nearly full ({len(self.table)} of {cap}) and this client holds "
+                f"{held}, its fair share beside {clients - 1} other client(s); retry later"
+            )
 
     def fail(self, rid: str, error: EngineError) -> tc.Failure:
         """An admitted request failed before it reached the scheduler (or was refused there)."""
@@ -252,6 +324,22 @@ class FrontDoor:
 
     def render_metrics(self, scheduler: dict[str, float]) -> bytes:
         return self.metrics.render(self.stats(scheduler))
+
+
+def peer_client(remote: str | None, forwarded_for: str, trusted: frozenset[str]) -> str:
+    """An HTTP request's client where no key names one: its peer address, or behind a trusted
+    proxy the last address of X-Forwarded-For that is not a trusted proxy (the one the first
+    trusted proxy saw; addresses before it are the client's own word)."""
+    peer = remote or "unknown"
+    if peer in trusted and forwarded_for:
+        for hop in reversed([h.strip() for h in forwarded_for.split(",")]):
+            if hop and hop not in trusted:
+                return f"peer:{hop[:64]}"
+    return f"peer:{peer}"
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 def unauthorized(msg: tt.FromClient, keyed: bool = True) -> tc.Failure:

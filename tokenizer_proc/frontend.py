@@ -33,7 +33,7 @@ from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, To
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare, tool_calls, tool_choice
-from tokenizer_proc.core import FrontDoor, HealthProbe, Limits, unauthorized
+from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, unauthorized
 from tokenizer_proc.farewell import Farewell
 from tokenizer_proc.requests import Entry
 from tokenizer_proc.trim import Trimmer
@@ -59,13 +59,11 @@ class Frontend:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        slots = facts.running_slots or config.max_running_requests
         self.core = FrontDoor(
-            Limits(
-                model=facts.model,
-                vocab_size=facts.vocab_size,
-                max_context=facts.max_context,
-                max_in_flight=config.max_running_requests + config.max_queued_requests,
-                api_key=config.api_key,
+            limits_for(
+                config,
+                (facts.model, facts.vocab_size, facts.max_context, slots),
                 control_token=os.environ.get(control_token.ENV),
             )
         )
@@ -73,7 +71,9 @@ class Frontend:
         self.request_shutdown = request_shutdown
         self.done = asyncio.Event()
         self._stats_calls: dict[str, asyncio.Future[dict[str, float]]] = {}
-        self._welcomed: set[bytes] = set()  # ZMQ identities whose Hello carried the key
+        # NOTE: ZMQ identity -> its client (tokenizer_proc/core.py `client_of`), for those
+        # whose Hello carried the key
+        self._welcomed: dict[bytes, str] = {}
         self._farewell = Farewell()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self._trimmer = Trimmer(self._pool)
@@ -140,10 +140,11 @@ class Frontend:
 
     # --- the API every endpoint uses ------------------------------------------------------------
 
-    async def submit(self, msg: tt.Generate, owner: Hashable) -> Entry:
-        """Admit, tokenize and forward one request whose replies go to the returned entry's
-        queue (HTTP); raises the typed error that refused it."""
-        entry = Entry(owner, chunks=asyncio.Queue())
+    async def submit(self, msg: tt.Generate, owner: Hashable, client: str) -> Entry:
+        """Admit, tokenize and forward one request of `client` (the unit of fair admission)
+        whose replies go to the returned entry's queue (HTTP); raises the typed error that
+        refused it."""
+        entry = Entry(owner, chunks=asyncio.Queue(), client=client)
         await self._admit(msg, entry)
         return entry
 
@@ -246,7 +247,7 @@ class Frontend:
             await self._send(client, tc.Pong())
         elif isinstance(msg, tt.Goodbye):
             self._client_gone(client)
-            self._welcomed.discard(client)
+            self._welcomed.pop(client, None)
             self._farewell.read(client)  # NOTE: a client that leaves waits for nothing more
         elif isinstance(msg, tt.ClosingAck):
             self._farewell.read(client)
@@ -267,7 +268,7 @@ class Frontend:
         if isinstance(msg, tt.Hello):
             reply = self.core.welcome(msg)
             if isinstance(reply, tc.Welcome):
-                self._welcomed.add(client)
+                self._welcomed[client] = self.core.client_of(msg.api_key, _sdk_client(client))
             await self._send(client, reply)
         elif isinstance(msg, tt.HealthCheck):
             await self._send(client, tc.HealthReply(msg.rid, *self.core.health()))
@@ -294,7 +295,7 @@ class Frontend:
     # --- admission ------------------------------------------------------------------------------
 
     async def _on_generate(self, client: bytes, msg: tt.Generate) -> None:
-        entry = Entry(client)
+        entry = Entry(client, client=self._welcomed.get(client) or _sdk_client(client))
         if isinstance(msg.tools, list):
             entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
         try:
@@ -309,7 +310,6 @@ class Frontend:
         def screen() -> None:  # NOTE: the cheap limits, before any slow work
             nonlocal chars
             chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
-            limits.check_share(self.core.table.count(entry.owner), self.config)
             if msg.tool_choice is not None:
                 tool_choice.force(msg, self.tokenizer)
 
@@ -356,7 +356,7 @@ class Frontend:
         if not self.core.forwarded(msg.rid, entry):
             asyncio.create_task(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return
-        self.to_scheduler.put(TokenizedRequest(msg.rid, ids, params))
+        self.to_scheduler.put(TokenizedRequest(msg.rid, ids, params, entry.client or ""))
         log.debug("rid=%s admitted: %d prompt tokens", msg.rid, len(ids))
 
     def _client_gone(self, owner: Hashable) -> None:
@@ -433,6 +433,10 @@ class Frontend:
             return True
         except zmq.ZMQError:
             return False
+
+
+def _sdk_client(identity: bytes) -> str:
+    return "sdk:" + identity.hex()
 
 
 async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:

@@ -25,6 +25,7 @@ from engine.errors import (
 )
 from engine.messages import to_tokenizer as tt
 from tokenizer_proc import anthropic_api, choices, connections, limits, openai_api, responses_api
+from tokenizer_proc.core import peer_client
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_errors import (
     BodyTooLarge,
@@ -68,6 +69,8 @@ class HttpApi:
         self.fe = frontend
         self.core = frontend.core
         self.tokenizer = frontend.tokenizer
+        proxies = frontend.config.trusted_proxies.split(",")
+        self._proxies = frozenset(p.strip() for p in proxies if p.strip())
         logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP)  # NOTE: once: one object
         self.app = web.Application(
             client_max_size=frontend.config.max_body_bytes, middlewares=[self._errors, self._auth]
@@ -147,7 +150,12 @@ class HttpApi:
         header = request.headers.get("Authorization", "")
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
         # NOTE: Anthropic's clients send the key as x-api-key
-        self.core.check_key(key or request.headers.get("x-api-key"))
+        key = key or request.headers.get("x-api-key")
+        self.core.check_key(key)
+        forwarded = request.headers.get("X-Forwarded-For", "")
+        request["client"] = self.core.client_of(
+            key, peer_client(request.remote, forwarded, self._proxies)
+        )
         return await handler(request)
 
     # --- OpenAI endpoints -----------------------------------------------------------------------
@@ -192,7 +200,7 @@ class HttpApi:
         """Submit, then answer whole or streamed; `renamed`: engine field -> the API's name."""
         owner = ("http", gen.rid)
         try:
-            entry = await self.fe.submit(gen, owner)
+            entry = await self.fe.submit(gen, owner, request["client"])
             if stream:
                 return await reply.stream(request, entry)
             return json_response(msgspec.json.encode(await reply.whole(entry)))
@@ -218,7 +226,8 @@ class HttpApi:
             replies.append(Reply(req, fmt, self.tokenizer, tail=False, rid=g.rid))
             replies[-1].echo = echo
         try:
-            entries = [await self.fe.submit(g, ("http", g.rid)) for g in gens]
+            client = request["client"]
+            entries = [await self.fe.submit(g, ("http", g.rid), client) for g in gens]
             if req.stream:
                 return await stream_choices(request, req, replies, entries)
             wholes = await asyncio.gather(

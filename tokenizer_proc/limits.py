@@ -1,9 +1,10 @@
-"""The front door's input limits (issue 11): each a cheap check run before any slow work, each an
-`InvalidRequest` (or `Overloaded`) that names the limit and its option.
+"""The front door's input limits: each a cheap check run before any slow work, each an
+`InvalidRequest` that names the limit and its option.
 
 Pure functions of a request and the config; the front door calls them in order: frame size
 before decoding, request shape (counts, characters, nesting) before sampling parameters and
-tokenization, stop strings once the parameters are known, a connection's share at admission.
+tokenization, stop strings once the parameters are known (a client's share of admission is the
+core's: tokenizer_proc/core.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequest, Overloaded
+from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.sampling_params import SamplingParams
 
@@ -117,22 +118,6 @@ def check_stop(params: SamplingParams, config: EngineConfig) -> None:
     if longest > config.max_stop_chars:
         limit = config.max_stop_chars
         raise _limit("stop", f"a stop string of {longest} characters", "max_stop_chars", limit)
-
-
-def client_cap(config: EngineConfig) -> int:
-    """How many requests one connection may have in flight (at least one)."""
-    capacity = config.max_running_requests + config.max_queued_requests
-    return max(1, int(capacity * config.client_share))
-
-
-def check_share(in_flight: int, config: EngineConfig) -> None:
-    """One connection cannot fill admission for everyone (`--client-share`)."""
-    cap = client_cap(config)
-    if in_flight >= cap:
-        raise Overloaded(
-            f"this connection has {in_flight} requests in flight, its share of admission "
-            f"(client_share={config.client_share}, --client-share); retry later"
-        )
 
 
 def peek_rid(frame: bytes) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,13 +14,16 @@ from typing import Any
 class Entry:
     """One request from admission to its terminal chunk.
 
-    `owner` names the client that sent it (a ZMQ ROUTER identity, an HTTP connection, the
+    `owner` names the connection that sent it (a ZMQ ROUTER identity, an HTTP connection, the
     in-process transport); only its owner may abort it. A request whose replies go to a queue
     (HTTP, health generation) has `chunks`; a ZMQ client's replies go to its identity instead.
     """
 
     owner: Hashable | None
     chunks: asyncio.Queue[Any] | None = None
+    # NOTE: the unit of fair admission (an API key's client, an HTTP peer address, an SDK
+    # connection); None for requests outside it (health generations, the in-process engine)
+    client: str | None = None
     sent: bool = False  # forwarded to the scheduler
     aborted: bool = False  # abort asked: do not forward it, or tell the scheduler
     gone: bool = False  # the client went away: nothing more is sent to it
@@ -40,6 +44,7 @@ class RequestTable:
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
         self._by_owner: dict[Hashable, set[str]] = {}
+        self._by_client: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,6 +59,8 @@ class RequestTable:
         self._entries[rid] = entry
         if entry.owner is not None:
             self._by_owner.setdefault(entry.owner, set()).add(rid)
+        if entry.client is not None:
+            self._by_client[entry.client] += 1
 
     def pop(self, rid: str) -> Entry | None:
         entry = self._entries.pop(rid, None)
@@ -62,10 +69,19 @@ class RequestTable:
             rids.discard(rid)
             if not rids:
                 self._by_owner.pop(entry.owner, None)
+        if entry is not None and entry.client is not None:
+            self._by_client[entry.client] -= 1
+            if self._by_client[entry.client] <= 0:
+                del self._by_client[entry.client]
         return entry
 
-    def count(self, owner: Hashable) -> int:
-        return len(self._by_owner.get(owner, ()))
+    def count(self, client: str) -> int:
+        """Requests in flight of one client (the unit of fair admission, `Entry.client`)."""
+        return self._by_client.get(client, 0)
+
+    def clients(self) -> int:
+        """Clients with requests in flight."""
+        return len(self._by_client)
 
     def of_owner(self, owner: Hashable) -> list[str]:
         return list(self._by_owner.get(owner, ()))

@@ -18,6 +18,7 @@ class SchedulerFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_budget_tokens: int = 0
     prefix_cache_tokens: int = 0  # what the prefix cache may hold: the KV pages it shares
     tokenizer_defaults: str = "null"  # JSON of the model module's TOKENIZER_DEFAULTS
+    running_slots: int = 0  # most requests running at once (the front door's admission)
 
 
 class Ready(Message):

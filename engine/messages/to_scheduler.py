@@ -10,6 +10,9 @@ class TokenizedRequest(Message):
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    # NOTE: the unit of fair scheduling (tokenizer_proc/core.py `client_of`); "" for the
+    # engine's own requests
+    client: str = ""
 
 
 class Abort(Message):
