@@ -176,7 +176,9 @@ class Scheduler:
         if not checked:
             params.validate(self.vocab)
             check_prompt(input_ids, self.vocab, self.max_context, "input_ids")
-        if len(self._waiting) >= self.config.max_queued_requests:
+        # NOTE: beyond the running batch: a burst that arrives between two steps waits for rows
+        # that are free (the front door admits running rows + queued, and so does this).
+        if len(self._waiting) >= self.config.max_queued_requests + self.running.free_slots:
             raise Overloaded(f"{len(self._waiting)} requests already waiting")
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos))
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)

@@ -332,3 +332,16 @@ def test_a_key_that_floods_leaves_room_and_rows_to_another(keyed):
             conn.close()
         owner.close()
     assert "Traceback" not in keyed.log()
+
+
+def test_a_burst_between_steps_fills_the_free_rows_and_the_queue(llama):
+    """The front door admits running rows + queued; so does the scheduler, though none of a
+    burst has a row yet (before, it refused all beyond --max-queued-requests: 1 in 7 here)."""
+    sched = make_scheduler(llama, max_running_requests=2, max_queued_requests=2)
+    for i in range(4):
+        sched.submit(f"r{i}", [1, 2, 3], greedy(2))
+    with pytest.raises(Overloaded, match="already waiting"):
+        sched.submit("r4", [1, 2, 3], greedy(2))
+    while sched.has_work():
+        sched.step()
+    assert sched.stats()["requests_finished"] == 4

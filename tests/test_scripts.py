@@ -46,7 +46,7 @@ def test_a_failed_venv_creation_is_not_left_behind(tmp_path):
 
 NO_MODEL = ("bench_kv_cache.py", "bench_decode_attention.py", "bench_prefill_attention.py")
 # NOTE: scripts that launch the engine or build token masks need a model with its tokenizer
-WITH_TOKENIZER = ("bench_agent.py", "bench_grammar.py", "check_structured.py")
+WITH_TOKENIZER = ("bench_agent.py", "bench_fairness.py", "bench_grammar.py", "check_structured.py")
 SCRIPT_RUNS = {
     "bench_kv_cache.py": ["--batch", "2", "--length", "32"],
     "bench_decode_attention.py": [
@@ -67,6 +67,7 @@ SCRIPT_RUNS = {
     ],
     "bench_prefill_attention.py": ["--shapes", "2x4x16", "--heads", "4", "--kv-heads", "2"],
     "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
+    "bench_fairness.py": ["--flood-requests", "3", "--output-len", "8", "--seconds", "1"],
     "bench_grammar.py": ["--rows", "4", "--tokens", "3", "--mix", "0.5"],
     "check_structured.py": ["--samples", "2", "--batch", "2", "--max-tokens", "12"],
     "bench_scheduler.py": [

@@ -80,12 +80,12 @@ def _steps(stats: dict[str, float]) -> str:
     return "median steps " + ", ".join(f"{k[12:-2]} {stats[k] * 1e3:.0f} ms" for k in kinds)
 
 
-def _within_steps(stats: dict[str, float], steps: int) -> float:
-    """A bound of `steps` of the flood's decode steps (and half a second of slack): a light
-    request waits for a row no longer than a step, then for one token a step. Before, it
-    queued behind the whole flood (minutes) or was refused."""
-    step = max(stats.get("step_median_decode_s", 0.0), stats.get("step_median_chained_s", 0.0))
-    return steps * step + 0.5
+# NOTE: before, the light client timed out at 20 s (or got 429s); now it gets a row within a
+# step, then a token a step at the flood's pace (about 350 ms a step for 256 rows on this 2-core
+# CPU: a first token in about 1 s, four tokens in about 2.2 s). The bounds leave a slower CI box
+# room.
+FIRST_TOKEN_BOUND_S = 5.0
+FOUR_TOKENS_BOUND_S = 8.0
 
 
 def test_a_key_flooding_http_with_long_requests_leaves_another_key_served(engine, report):
@@ -116,8 +116,7 @@ def test_a_key_flooding_http_with_long_requests_leaves_another_key_served(engine
         f"{sdk.summary()}; HTTP {http.summary()}; {_steps(during)}; log +{grown} bytes"
     )
     assert sdk.errors == [] and http.errors == [], (sdk.errors[:3], http.errors[:3])
-    # NOTE: 4 tokens: admission, prefill and 4 decode steps, each at the flood's pace
-    bound = _within_steps(during, 8)
+    bound = FOUR_TOKENS_BOUND_S
     assert sdk.quantile(0.99) <= bound and http.quantile(0.99) <= bound, report
     assert grown < 1 << 20 and "Traceback" not in engine.log()[start:]
 
@@ -145,7 +144,5 @@ def test_one_sdk_connection_with_500_queued_requests_does_not_delay_another(engi
     with EngineClient(engine.address, api_key=GOOD) as owner:
         _settled(owner)
     assert loaded.errors == [] and loaded.latencies, loaded.errors[:3]
-    # NOTE: before, the request queued behind all 500 and timed out at 20 s; now it takes a row
-    # from the flood within a step, so its first token waits a few of the flood's steps.
-    bound = _within_steps(during, 5)
+    bound = FIRST_TOKEN_BOUND_S
     assert loaded.quantile(0.99) <= bound, report["500 queued on one SDK connection"]
