@@ -22,6 +22,9 @@ SLOW_FACTOR = 10.0
 _MIN_SAMPLES = 16
 _MIN_SLOW_S = 0.05  # NOTE: below this a "slow" step is noise, not a stall
 _STALL_S = 1.0  # NOTE: logged whatever the median, even before there is one
+# NOTE: at most one slow-step line per interval, with a count of those held back: a flood that
+# slows every step (a full batch on a CPU) wrote a line a step, 170 KB in 20 s.
+LOG_EVERY_S = 5.0
 
 
 class StepTimes:
@@ -33,6 +36,9 @@ class StepTimes:
         self.slow_steps = 0
         self.new_shapes = 0
         self.worst_s = 0.0
+        self._quiet_until = -LOG_EVERY_S
+        self._held = 0  # slow steps not logged since the last line
+        self._held_worst = 0.0
 
     def launched(self, batch: Batch) -> None:
         """A prefill step went to the device: its time shows in the next decode step's."""
@@ -64,17 +70,29 @@ class StepTimes:
             slow = self._slow(dt, times, kind)
             if slow is not None:
                 self.slow_steps += 1
-                log.warning(
-                    "step %d (%s, %d rows) took %.0f ms%s (%s)",
-                    batch.step_index,
-                    kind,
-                    len(batch.rows),
-                    dt * 1e3,
-                    slow,
-                    _after(before),
-                )
+                self._log_slow(batch, kind, dt, slow + f" ({_after(before)})", now)
         if not before:
             times.append(dt)
+
+    def _log_slow(self, batch: Batch, kind: str, dt: float, why: str, now: float) -> None:
+        if now < self._quiet_until:
+            self._held += 1
+            self._held_worst = max(self._held_worst, dt)
+            return
+        held = ""
+        if self._held:
+            held = f"; {self._held} more slow step(s) before it, the worst {self._held_worst * 1e3:.0f} ms"
+        log.warning(
+            "step %d (%s, %d rows) took %.0f ms%s%s",
+            batch.step_index,
+            kind,
+            len(batch.rows),
+            dt * 1e3,
+            why,
+            held,
+        )
+        self._quiet_until = now + LOG_EVERY_S
+        self._held, self._held_worst = 0, 0.0
 
     def _slow(self, dt: float, times: deque[float], kind: str) -> str | None:
         """Why a step is worth a log line ("" when no kind has a median yet), or None.

@@ -30,7 +30,7 @@ def test_slow_steps_and_early_stalls_are_counted_and_logged(caplog):
         now = _step(times, now, 0.01, 3 + i)
     now = _step(times, now, 0.08, 30)  # NOTE: 8x the median: not slow
     assert times.slow_steps == 1
-    _step(times, now, 0.2, 31)
+    _step(times, now + 10.0, 0.2, 31)  # NOTE: after the log's quiet interval
     assert times.slow_steps == 2 and "the median decode step" in caplog.text
     assert times.stats()["step_worst_s"] == 1.5
 
@@ -56,3 +56,20 @@ def test_a_kind_without_samples_is_judged_by_the_kind_with_most(caplog):
         times.slow_steps == early + 1
         and "(joined, 1 rows) took 13000 ms, 11x the median decode" in caplog.text
     )
+
+
+def test_a_run_of_slow_steps_is_one_line_per_interval_with_a_count(caplog):
+    """A flood that slows every step logs once per LOG_EVERY_S, not once a step; each step is
+    still counted."""
+    times = StepTimes()
+    caplog.set_level(logging.WARNING, logger="scheduler_proc.step_times")
+    now = 0.0
+    for i in range(20):
+        now = _step(times, now, 0.01, 1 + i)
+    for i in range(60):  # NOTE: a slow step among 3 quick ones (the median stays 10 ms): 13.8 s
+        now = _step(times, now, 0.2, 100 + 4 * i)
+        for j in range(3):
+            now = _step(times, now, 0.01, 101 + 4 * i + j)
+    lines = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert times.slow_steps == 60 and len(lines) == 3, lines
+    assert "21 more slow step(s) before it, the worst 200 ms" in lines[1], lines
