@@ -88,10 +88,21 @@ def _watch_parent(parent_pid: int, orphaned: threading.Event) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def without_torch() -> None:
+    """No engine process uses PyTorch, but where it is installed transformers imports it: the
+    tokenizer and detokenizer became ready 11-13 s after the scheduler. Hidden here, `import
+    torch` fails and transformers finds none; its advice that PyTorch is missing (a line each
+    process printed at every start, which users read as an error) is silenced too."""
+    sys.modules.setdefault("torch", None)  # type: ignore[assignment]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def entry(target: str, *args: object) -> None:
     """A child's first frame: import `module:function` only here, so the launcher never imports
     MLX or a process's heavy dependencies."""
     import importlib
+
+    without_torch()
 
     module, func = target.split(":")
     getattr(importlib.import_module(module), func)(*args)

@@ -1,0 +1,47 @@
+"""A clean start is quiet and fast where PyTorch is installed: no engine process imports it
+(transformers did, 11-13 s before the tokenizer and detokenizer were ready) and none prints
+transformers' advice that it is missing."""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import datetime
+
+import pytest
+from engine_harness import LaunchedEngine
+
+from engine.client import EngineClient
+
+pytestmark = pytest.mark.timeout(180)
+STUB = "a stub torch was imported"
+
+
+def _ready_times(log: str) -> dict[str, datetime]:
+    found = re.findall(r"^(\S+ \S+) launcher\[\d+\] INFO (\w+) ready", log, re.M)
+    return {name: datetime.strptime(ts, "%Y-%m-%d %H:%M:%S,%f") for ts, name in found}
+
+
+def test_no_process_imports_torch_and_start_up_is_quiet(tiny_model_dir, tmp_path, monkeypatch):
+    """A `torch` on the path that fails when imported, with the metadata of a real install (so
+    transformers believes it is there): the engine starts, serves, and never touches it."""
+    stub = tmp_path / "site"
+    (stub / "torch").mkdir(parents=True)
+    (stub / "torch" / "__init__.py").write_text(f"raise ImportError({STUB!r})\n")
+    info = stub / "torch-2.9.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.9.0\n")
+    monkeypatch.setenv("PYTHONPATH", f"{stub}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    engine = LaunchedEngine(tiny_model_dir, tmp_path / "launch.log").wait_ready()
+    try:
+        with EngineClient(engine.address) as c:
+            assert c.generate(input_ids=[1, 2, 3], max_tokens=2).usage.completion_tokens == 2
+        log = engine.log()
+    finally:
+        engine.stop()
+    assert STUB not in log and "Traceback" not in log, log[-3000:]
+    assert "PyTorch was not found" not in log, log[:2000]
+    ready = _ready_times(log)
+    for name in ("tokenizer", "detokenizer"):
+        late = (ready[name] - ready["scheduler"]).total_seconds()
+        assert late < 5.0, f"{name} ready {late:.1f} s after the scheduler"
