@@ -93,7 +93,7 @@ def without_torch() -> None:
     tokenizer and detokenizer became ready 11-13 s after the scheduler. Hidden here, `import
     torch` fails and transformers finds none; its advice that PyTorch is missing (a line each
     process printed at every start, which users read as an error) is silenced too."""
-    sys.modules.setdefault("torch", None)  # type: ignore[assignment]
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
