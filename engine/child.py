@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import zmq
 
+from engine.errors import EngineError
 from engine.ipc import PushQueue
 from engine.messages.to_launcher import (
     Ready,
@@ -62,7 +63,10 @@ class Child:
         try:
             yield
         except BaseException as e:
-            logging.getLogger(self.name).error("failed to start: %s", traceback.format_exc())
+            # NOTE: a typed error (a model not found, a bad file) is the user's to fix: its
+            # message says how; a traceback is for the engine's own faults.
+            why = str(e) if isinstance(e, EngineError) else traceback.format_exc()
+            logging.getLogger(self.name).error("failed to start: %s", why)
             self._launcher.put(StartFailed(self.name, f"{type(e).__name__}: {e}"))
             self._launcher.close()
             sys.exit(1)

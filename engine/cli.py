@@ -76,15 +76,22 @@ def supervisor_conf(name: str, log_dir: Path, startsecs: int, **options: Any) ->
 
 
 @main.command()
-@click.argument("src", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("src", required=False)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), help="Output directory")
-def convert(src: Path | None, out: Path | None) -> None:
-    """Convert a GGUF file (default: the embedded SmolLM2-135M) to an MLX model directory."""
+@click.option("--gguf-file", help="Which .gguf file of a Hugging Face repository SRC names")
+def convert(src: str | None, out: Path | None, gguf_file: str | None) -> None:
+    """Convert a GGUF file, or a Hugging Face GGUF repository ORG/NAME[@REVISION] (default: the
+    embedded SmolLM2-135M), to an MLX model directory; prints the directory."""
+    from engine import hub
     from engine.errors import ModelError
     from engine.models import convert_to_mlx
 
     try:
-        out_dir = convert_to_mlx(src, out)
+        path = Path(src) if src is not None else None
+        if src is not None and hub.is_hub_name(src):
+            path = hub.resolve(src, gguf_file)
+        # NOTE: a Hugging Face MLX model is a model directory already: nothing to convert
+        out_dir = path if path is not None and path.is_dir() else convert_to_mlx(path, out)
     except ModelError as e:
         raise click.ClickException(str(e)) from e
     click.echo(str(out_dir))

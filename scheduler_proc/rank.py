@@ -47,7 +47,7 @@ def create_rank(
         group = distributed.join_group(plan)
         check_same_options(group, config)
     config = _share_host(config, plan)
-    model_dir = resolve_model_dir(config.model)
+    model_dir = resolve_model_dir(config.model, config.gguf_file)
     model, eos = load_for_scheduler(str(model_dir), config)
     distributed.shard(model, group)
     # NOTE: every collective from here on needs every rank; one that failed to start would
@@ -63,7 +63,7 @@ def create_rank(
     links = RootLinks(endpoints) if plan.rank == 0 else None
     loop = ReplicatedLoop(scheduler, group, dog, config.tp_step_timeout, links, orphaned)
     # NOTE: only rank 0 serves clients; a worker's READY carries no facts.
-    return loop, scheduler_facts(model_dir, scheduler) if plan.rank == 0 else None
+    return loop, scheduler_facts(model_dir, scheduler, config) if plan.rank == 0 else None
 
 
 # NOTE: options every rank's scheduler must share, or the ranks would schedule different steps

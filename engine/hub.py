@@ -1,0 +1,100 @@
+"""Models by their Hugging Face name: `--model ORG/NAME[@REVISION]` (mlx_lm.server, LM Studio and
+vllm-mlx all take one).
+
+Resolved through huggingface_hub, so its cache (`HF_HOME`, `HF_HUB_CACHE`), `HF_TOKEN` and
+`HF_HUB_OFFLINE` work as everywhere else; a download shows huggingface_hub's progress bars. Only
+what a model directory needs is fetched (configs, safetensors weights, tokenizer files), never a
+repository's other formats. A GGUF repository gives its one `.gguf` file, or the one named by
+`--gguf-file`, which the caller converts (engine/models.py). Every failure is a `ModelError`
+that names the model and what to do.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from engine.errors import ModelError
+
+# NOTE: ORG/NAME as the Hub spells repository ids, an optional @REVISION (branch, tag, commit)
+NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
+PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
+
+
+def is_hub_name(model: str) -> bool:
+    """`ORG/NAME[@REVISION]` that is not a path on this machine (a path always wins)."""
+    return NAME.fullmatch(model) is not None and not Path(model).expanduser().exists()
+
+
+def repo_of(model: str) -> str:
+    return model.partition("@")[0]
+
+
+def resolve(model: str, gguf_file: str | None = None) -> Path:
+    """A local model directory for `model`, or its GGUF file (downloaded when allowed)."""
+    from huggingface_hub import errors
+
+    repo, _, revision = model.partition("@")
+    try:
+        if gguf_file:
+            return _file(repo, gguf_file, revision or None)
+        path = _snapshot(repo, revision or None)
+        if (path / "config.json").is_file():
+            return path
+        return _single_gguf(repo, revision or None, path)
+    except errors.GatedRepoError:
+        raise ModelError(
+            f"{repo} is gated: accept its terms at https://huggingface.co/{repo}, then set "
+            "HF_TOKEN (or `huggingface-cli login`)"
+        ) from None
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
+        raise ModelError(
+            f"{model} is not in the Hugging Face cache ({_cache_dir()}) and downloads are off "
+            "(HF_HUB_OFFLINE): download it first (`huggingface-cli download "
+            f"{repo}`), or unset HF_HUB_OFFLINE"
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise ModelError(f"{repo} has no revision {revision!r}") from None
+    except errors.RepositoryNotFoundError:
+        raise ModelError(
+            f"{repo}: no such model on the Hugging Face Hub (a private one needs HF_TOKEN)"
+        ) from None
+    except errors.EntryNotFoundError:
+        raise ModelError(f"{repo} has no file {gguf_file!r} (--gguf-file)") from None
+    except (errors.HfHubHTTPError, OSError) as e:
+        raise ModelError(f"{model}: cannot fetch it from the Hugging Face Hub: {e}") from None
+
+
+def _snapshot(repo: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo, revision=revision, allow_patterns=PATTERNS))
+
+
+def _file(repo: str, name: str, revision: str | None) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(repo, name, revision=revision))
+
+
+def _single_gguf(repo: str, revision: str | None, snapshot: Path) -> Path:
+    """A repository without config.json: its one GGUF file (the Hub's list, or offline the
+    cached ones)."""
+    from huggingface_hub import constants, list_repo_files
+
+    if constants.HF_HUB_OFFLINE:
+        names = sorted(p.name for p in snapshot.glob("*.gguf"))
+    else:
+        names = sorted(n for n in list_repo_files(repo, revision=revision) if n.endswith(".gguf"))
+    if len(names) == 1:
+        return _file(repo, names[0], revision)
+    if not names:
+        raise ModelError(f"{repo}: neither an MLX model (no config.json) nor a GGUF repository")
+    listed = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    raise ModelError(f"{repo} has {len(names)} GGUF files; pick one with --gguf-file: {listed}")
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
