@@ -163,6 +163,9 @@ class Launcher:
         self.procs: dict[str, BaseProcess] = {}
         self.signals = 0
         self.shutdown_reason: str | None = None
+        self.started_at = time.monotonic()
+        self.ready_at: dict[str, float] = {}  # child -> when its READY came
+        self.facts: dict[str, SchedulerFacts] = {}
 
     def run(self) -> int:
         self._install_signals()
@@ -175,7 +178,12 @@ class Launcher:
                 )
                 return self._watch()
             http = f"http://{self.config.host}:{self.config.port}"
-            log.info("engine ready: SDK endpoint %s, HTTP API %s", self.endpoints.client, http)
+            log.info(
+                "engine ready in %s: SDK endpoint %s, HTTP API %s",
+                self._took(),
+                self.endpoints.client,
+                http,
+            )
             return self._watch()
         finally:
             self._teardown()
@@ -238,6 +246,23 @@ class Launcher:
             )
         return set(self.procs)
 
+    def _took(self) -> str:
+        """How long start-up took and where it went, from the children's READY."""
+        at = self.ready_at
+        total = max(at.values()) - self.started_at
+        sched = self.facts.get("scheduler")
+        parts = []
+        if sched is not None:
+            model = f"model {sched.model_s:.1f} s, " if sched.model_s >= 0.1 else ""
+            parts.append(
+                f"scheduler {at['scheduler'] - self.started_at:.1f} s ({model}load "
+                f"{sched.load_s:.1f} s, warm-up {sched.warm_up_s:.1f} s)"
+            )
+        for name in ("detokenizer", "tokenizer"):
+            if name in at and "scheduler" in at:
+                parts.append(f"{name} +{at[name] - at['scheduler']:.1f} s")
+        return f"{total:.1f} s ({', '.join(parts)})"
+
     def _await_ready(self, names: set[str]) -> dict[str, SchedulerFacts | None] | None:
         deadline = time.monotonic() + self.config.startup_timeout
         facts: dict[str, SchedulerFacts | None] = {}
@@ -246,6 +271,9 @@ class Launcher:
             if isinstance(msg, Ready):
                 log.info("%s ready (pid %d)", msg.process, msg.pid)
                 facts[msg.process] = msg.facts
+                self.ready_at[msg.process] = time.monotonic()
+                if msg.facts is not None:
+                    self.facts[msg.process] = msg.facts
             elif isinstance(msg, StartFailed):
                 log.error("%s failed to start: %s", msg.process, msg.error)
                 return None

