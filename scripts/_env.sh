@@ -51,4 +51,14 @@ if [ "$(uname -s)" = Linux ] && ! compgen -G "/usr/lib/*-linux-gnu/libopenblas.s
         || { apt-get update -q && apt-get install -y -q libopenblas0-pthread; }; } >/dev/null 2>&1 \
         || echo "mlx-engine: OpenBLAS not installed; CPU matmuls use the reference BLAS" >&2
 fi
+# NOTE: the page's browser test (tests/test_web_page.py) drives Debian's Chromium; best effort as
+# above: where it cannot be installed the test is skipped, and says why.
+if [ "$EXTRA" = test ] && [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null \
+    && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "mlx-engine: installing Chromium for the browser test (Debian chromium)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q chromium \
+        || { apt-get update -q && apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
+        || echo "mlx-engine: Chromium not installed; the browser test is skipped" >&2
+fi
 export PATH="$VENV/bin:$PATH"

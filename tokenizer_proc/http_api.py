@@ -24,7 +24,15 @@ from engine.errors import (
     InvalidRequest,
 )
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import anthropic_api, choices, connections, limits, openai_api, responses_api
+from tokenizer_proc import (
+    anthropic_api,
+    choices,
+    connections,
+    limits,
+    openai_api,
+    page,
+    responses_api,
+)
 from tokenizer_proc.core import peer_client
 from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_errors import (
@@ -89,6 +97,8 @@ class HttpApi:
                 web.get("/health", self._health),
                 web.get("/health_generate", self._health_generate),
                 web.get("/metrics", self._metrics),
+                web.get("/", page.index),
+                web.get("/ui/{name}", page.asset),
             ]
         )
         self.runner: web.AppRunner | None = None
@@ -151,6 +161,8 @@ class HttpApi:
         key = header[7:].strip() if header[:7].lower() == "bearer " else None
         # NOTE: Anthropic's clients send the key as x-api-key
         key = key or request.headers.get("x-api-key")
+        if page.is_public(request.path):  # NOTE: the page's files; it asks for the key itself
+            return await handler(request)
         self.core.check_key(key)
         forwarded = request.headers.get("X-Forwarded-For", "")
         request["client"] = self.core.client_of(
