@@ -11,6 +11,7 @@ an enqueue of a few microseconds; Python threads would only add GIL hand-offs ne
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ log = logging.getLogger("scheduler")
 
 HEARTBEAT_S = 0.5
 IDLE_WAIT_S = 0.05
+IDLE_CLEAR_S = 1.0
 # NOTE: after the grace period every request is aborted; a scheduler that still has not reported
 # them all by then is stuck, and the loop gives up waiting (terminal outputs are synthesized).
 ABORT_SETTLE_S = 5.0
@@ -123,6 +125,7 @@ class SchedulerLoop:
         self.drain_at: float | None = None
         self.aborted_at: float | None = None
         self._last_tick = 0.0
+        self._idle_since: float | None = None
 
     def run(self) -> None:
         while True:
@@ -133,7 +136,20 @@ class SchedulerLoop:
             self._enforce_drain()
             if self.sched.has_work():
                 self._send(self.sched.step())
+                self._idle_since = None
+            else:
+                self._idle()
         self._exit()
+
+    def _idle(self) -> None:
+        """Idle for IDLE_CLEAR_S: the scheduler gives back its cached buffers, once (not at every
+        gap between requests, whose next one would allocate them again)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since > IDLE_CLEAR_S:
+            self.sched.went_idle()
+            self._idle_since = math.inf  # NOTE: cleared; nothing more until the next work
 
     def _should_exit(self) -> bool:
         if self.orphaned.is_set():

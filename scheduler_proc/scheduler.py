@@ -223,6 +223,11 @@ class Scheduler:
         busy = self._current or self._next or self.running.reqs
         return bool(busy or self._waiting or self._touched)
 
+    def went_idle(self) -> None:
+        """Nothing left to run: MLX's cache of freed buffers goes back to the system (a load's
+        batches left the scheduler ~70 MiB larger on the CPU, held for good)."""
+        mx.clear_cache()
+
     def in_flight(self) -> dict[str, int]:
         """rid -> prompt tokens of every request whose terminal output is not yet reported."""
         return {rid: req.prompt_len for rid, req in self._reqs.items()}
