@@ -11,13 +11,21 @@ that names the model and what to do.
 
 from __future__ import annotations
 
+import io
+import logging
+import math
 import re
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from engine.errors import ModelError
 
 # NOTE: ORG/NAME as the Hub spells repository ids, an optional @REVISION (branch, tag, commit)
 NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
+LOG_EVERY_S = 5.0
+log = logging.getLogger("hub")
 PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
 
 
@@ -68,13 +76,42 @@ def resolve(model: str, gguf_file: str | None = None) -> Path:
 def _snapshot(repo: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo, revision=revision, allow_patterns=PATTERNS))
+    bar = _bar_class()
+    return Path(snapshot_download(repo, revision=revision, allow_patterns=PATTERNS, tqdm_class=bar))
 
 
 def _file(repo: str, name: str, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(repo, name, revision=revision))
+    return Path(hf_hub_download(repo, name, revision=revision, tqdm_class=_bar_class()))
+
+
+def _bar_class() -> Any:
+    """huggingface_hub's own bars on a terminal; in a log (a service, a file), a line every few
+    seconds instead of a bar redrawn in place."""
+    return None if sys.stderr.isatty() else log_bar()
+
+
+def log_bar() -> Any:
+    """A tqdm that logs `Downloading: 45% 1.2G/2.7G 95MB/s` every LOG_EVERY_S, and when done."""
+    from huggingface_hub.utils import tqdm
+
+    class LogBar(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["bar_format"] = "{desc}: {percentage:.0f}% {n_fmt}/{total_fmt} {rate_fmt}"
+            kwargs["file"] = io.StringIO()  # NOTE: drawn nowhere; logged by `display`
+            self._logged_at = -math.inf
+            super().__init__(*args, **kwargs)
+
+        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+            now = time.monotonic()
+            done = self.total is not None and self.n >= self.total > 0
+            if now - self._logged_at >= LOG_EVERY_S or done:
+                self._logged_at = now
+                log.info("%s", self.format_meter(**self.format_dict))
+            return True
+
+    return LogBar
 
 
 def _single_gguf(repo: str, revision: str | None, snapshot: Path) -> Path:

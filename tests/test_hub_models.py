@@ -4,6 +4,7 @@ through `resolve_model_dir` and a launched engine."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -115,3 +116,18 @@ def test_convert_takes_a_hugging_face_gguf_repository(hub_cache, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (Path(done.stdout.strip()) / "config.json").is_file()
+
+
+def test_a_download_in_a_log_is_a_line_every_few_seconds(caplog, monkeypatch):
+    """On a terminal huggingface_hub draws its bars; in a log, a line every LOG_EVERY_S."""
+    from engine import hub
+
+    caplog.set_level(logging.INFO, logger="hub")
+    monkeypatch.setattr(hub, "LOG_EVERY_S", 0.05)
+    bar = hub.log_bar()(total=1000, desc="Downloading", unit="B", unit_scale=True)
+    for _ in range(100):
+        bar.update(10)
+        time.sleep(0.003)
+    bar.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert 2 <= len(lines) < 40 and lines[-1].startswith("Downloading: 100% 1.00k/1.00k"), lines
