@@ -104,9 +104,14 @@ def resolve_model_dir(model: str | os.PathLike | None, gguf_file: str | None = N
 
 
 def served_name(model: str | os.PathLike | None, model_dir: Path) -> str:
-    """The name clients see: a Hugging Face model's ORG/NAME, else the directory's name."""
+    """The name clients see: a Hugging Face model's ORG/NAME, a GGUF file's name (not its cached
+    conversion's, which carries a hash), else the directory's name."""
+    if model is None:
+        return Path(DEFAULT_MODEL_FILE).stem
     if isinstance(model, str) and hub.NAME.fullmatch(model) and not Path(model).exists():
         return hub.repo_of(model)
+    if Path(model).suffix == ".gguf":
+        return Path(model).stem
     return model_dir.name
 
 

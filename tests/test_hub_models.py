@@ -59,6 +59,9 @@ def test_a_cached_model_resolves_by_name_and_revision(hub_cache):
     assert resolve_model_dir(f"org/tiny@{COMMIT}") == snapshot
     assert served_name("org/tiny@main", snapshot) == "org/tiny"
     assert served_name(str(snapshot), snapshot) == COMMIT  # NOTE: a path is served by its name
+    # NOTE: a GGUF file by its own name, not its cached conversion's (which carries a hash)
+    assert served_name("/m/tiny.Q4_1.gguf", Path("/c/tiny.Q4_1-0a1b2c")) == "tiny.Q4_1"
+    assert served_name(None, Path("/c/x-0a1b2c")) == "SmolLM2-135M-Instruct.Q4_1"
 
 
 def test_a_gguf_repository_gives_its_gguf_converted(hub_cache):
