@@ -223,3 +223,25 @@ def test_a_client_gone_mid_body_ends_quietly(tmp_path, caplog):
         assert asyncio.run(scenario()) == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_a_reply_in_the_background_is_held_until_it_is_sent(tmp_path):
+    """A stats reply runs as a task beside the loops; the front door holds it until it ends (the
+    event loop keeps only a weak reference: an unheld task may be collected mid-way, its reply
+    never sent)."""
+    import gc
+
+    async def scenario() -> int:
+        frontend = front_door(tmp_path)
+        try:
+            await frontend._on_call(b"client", tt.GetStats("s1"))
+            gc.collect()
+            held = len(frontend._tasks)
+            for future in frontend._stats_calls.values():
+                future.set_result({})  # NOTE: the scheduler's answer
+            await asyncio.gather(*frontend._tasks)
+            return held
+        finally:
+            frontend.close()
+
+    assert asyncio.run(scenario()) == 1

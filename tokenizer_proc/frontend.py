@@ -273,9 +273,9 @@ class Frontend:
         elif isinstance(msg, tt.HealthCheck):
             await self._send(client, tc.HealthReply(msg.rid, *self.core.health()))
         elif isinstance(msg, tt.HealthGenerate):
-            asyncio.create_task(self._reply_health_generate(client, msg.rid))
+            self._spawn(self._reply_health_generate(client, msg.rid))
         elif isinstance(msg, tt.GetStats):
-            asyncio.create_task(self._reply_stats(client, msg.rid))
+            self._spawn(self._reply_stats(client, msg.rid))
         elif isinstance(msg, tt.ShutdownEngine):
             self.begin_shutdown("shutdown() from a client")
             await self._send(client, tc.Ack(msg.rid))
@@ -323,9 +323,7 @@ class Frontend:
             # NOTE: a task, not awaited: the client loop goes on reading every other client's
             # frames while the pool works (awaiting it here stalled all clients, ~0.7 s per
             # 1M-character prompt; a 190 KB schema's compile check 0.36-0.65 s).
-            task = asyncio.create_task(self._admit_pooled(msg, entry, params, chars))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._admit_pooled(msg, entry, params, chars))
             return
         try:
             ids = prepare.token_ids(*self._token_args(msg))
@@ -349,12 +347,20 @@ class Frontend:
         if self.core.table.get(msg.rid) is entry:  # NOTE: else it was ended meanwhile
             self._forward(msg, entry, ids, params)
 
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` beside the loops, held until it ends: the event loop keeps only a weak
+        reference to a task, and one nobody holds may be collected before it finishes (a reply
+        never sent)."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _token_args(self, msg: tt.Generate) -> tuple[Any, ...]:
         return (msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context)
 
     def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
         if not self.core.forwarded(msg.rid, entry):
-            asyncio.create_task(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
+            self._spawn(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return
         self.to_scheduler.put(TokenizedRequest(msg.rid, ids, params, entry.client or ""))
         log.debug("rid=%s admitted: %d prompt tokens", msg.rid, len(ids))
