@@ -165,7 +165,7 @@ class Launcher:
         self.shutdown_reason: str | None = None
         self.started_at = time.monotonic()
         self.ready_at: dict[str, float] = {}  # child -> when its READY came
-        self.facts: dict[str, SchedulerFacts] = {}
+        self.sched_facts: SchedulerFacts | None = None
 
     def run(self) -> int:
         self._install_signals()
@@ -216,7 +216,7 @@ class Launcher:
             return False
         if "scheduler" not in facts:
             return True
-        sched = facts["scheduler"]
+        sched = self.sched_facts = facts["scheduler"]
         self.procs["detokenizer"] = spawn("detokenizer", self.config, self.endpoints, pid, sched)
         self.procs["tokenizer"] = spawn("tokenizer", self.config, self.endpoints, pid, sched)
         return self._await_ready({"detokenizer", "tokenizer"}) is not None
@@ -250,7 +250,7 @@ class Launcher:
         """How long start-up took and where it went, from the children's READY."""
         at = self.ready_at
         total = max(at.values()) - self.started_at
-        sched = self.facts.get("scheduler")
+        sched = self.sched_facts
         parts = []
         if sched is not None:
             model = f"model {sched.model_s:.1f} s, " if sched.model_s >= 0.1 else ""
@@ -272,8 +272,6 @@ class Launcher:
                 log.info("%s ready (pid %d)", msg.process, msg.pid)
                 facts[msg.process] = msg.facts
                 self.ready_at[msg.process] = time.monotonic()
-                if msg.facts is not None:
-                    self.facts[msg.process] = msg.facts
             elif isinstance(msg, StartFailed):
                 log.error("%s failed to start: %s", msg.process, msg.error)
                 return None

@@ -108,7 +108,7 @@ def served_name(model: str | os.PathLike | None, model_dir: Path) -> str:
     conversion's, which carries a hash), else the directory's name."""
     if model is None:
         return Path(DEFAULT_MODEL_FILE).stem
-    if isinstance(model, str) and hub.NAME.fullmatch(model) and not Path(model).exists():
+    if isinstance(model, str) and hub.is_hub_name(model):
         return hub.repo_of(model)
     if Path(model).suffix == ".gguf":
         return Path(model).stem

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -79,9 +79,18 @@ def _create(
 
     # NOTE: before anything imports mlx.core in this process (a BLAS preload only works then).
     setup_cpu_backend(config)
+    from scheduler_proc.scheduler import Scheduler
+
+    model_dir, model, eos, times = load_model(config)
+    scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
+    facts = scheduler_facts(model_dir, scheduler, config, times)
+    return SchedulerLoop(scheduler, endpoints, orphaned), facts
+
+
+def load_model(config: EngineConfig) -> tuple[Path, Any, list[int], tuple[float, float]]:
+    """(model dir, model, eos ids, (seconds to find or fetch it, seconds to load it))."""
     from engine.models import resolve_model_dir
     from scheduler_proc.model_loader import load_for_scheduler
-    from scheduler_proc.scheduler import Scheduler
 
     t0 = time.monotonic()
     model_dir = resolve_model_dir(config.model, config.gguf_file)
@@ -89,14 +98,14 @@ def _create(
     model, eos = load_for_scheduler(str(model_dir), config)
     t2 = time.monotonic()
     log.info("model %s loaded in %.1f s (found or fetched in %.1f s)", model_dir, t2 - t1, t1 - t0)
-    scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
-    facts = scheduler_facts(model_dir, scheduler, config)
-    facts.model_s, facts.load_s = round(t1 - t0, 2), round(t2 - t1, 2)
-    return SchedulerLoop(scheduler, endpoints, orphaned), facts
+    return model_dir, model, eos, (t1 - t0, t2 - t1)
 
 
-def scheduler_facts(model_dir: Path, scheduler: Scheduler, config: EngineConfig) -> SchedulerFacts:
-    """What the scheduler's READY tells the launcher (and through it the other processes)."""
+def scheduler_facts(
+    model_dir: Path, scheduler: Scheduler, config: EngineConfig, times: tuple[float, float]
+) -> SchedulerFacts:
+    """What the scheduler's READY tells the launcher (and through it the other processes);
+    `times`: `load_model`'s."""
     from engine.models import served_name
     from engine.tokenizer_loader import tokenizer_defaults
 
@@ -109,6 +118,8 @@ def scheduler_facts(model_dir: Path, scheduler: Scheduler, config: EngineConfig)
         prefix_cache_tokens=0 if scheduler.prefix is None else scheduler.kv_plan.tokens,
         tokenizer_defaults=tokenizer_defaults(model_dir),
         running_slots=scheduler.running.slots,
+        model_s=round(times[0], 2),
+        load_s=round(times[1], 2),
         warm_up_s=round(scheduler.warm_up_s, 2),
     )
 

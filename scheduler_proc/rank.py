@@ -34,9 +34,7 @@ def create_rank(
     plan.enter()  # NOTE: MLX reads its rank and hostfile from the environment
     distributed.pin_share(plan)
     setup_cpu_backend(config)  # NOTE: before anything imports mlx.core (a BLAS preload)
-    from engine.models import resolve_model_dir
-    from scheduler_proc.main import scheduler_facts
-    from scheduler_proc.model_loader import load_for_scheduler
+    from scheduler_proc.main import load_model, scheduler_facts
     from scheduler_proc.replicated import ReplicatedLoop, RootLinks
     from scheduler_proc.scheduler import Scheduler
 
@@ -47,8 +45,7 @@ def create_rank(
         group = distributed.join_group(plan)
         check_same_options(group, config)
     config = _share_host(config, plan)
-    model_dir = resolve_model_dir(config.model, config.gguf_file)
-    model, eos = load_for_scheduler(str(model_dir), config)
+    model_dir, model, eos, times = load_model(config)
     distributed.shard(model, group)
     # NOTE: every collective from here on needs every rank; one that failed to start would
     # leave the others blocked, so start-up has a deadline too.
@@ -63,7 +60,7 @@ def create_rank(
     links = RootLinks(endpoints) if plan.rank == 0 else None
     loop = ReplicatedLoop(scheduler, group, dog, config.tp_step_timeout, links, orphaned)
     # NOTE: only rank 0 serves clients; a worker's READY carries no facts.
-    return loop, scheduler_facts(model_dir, scheduler, config) if plan.rank == 0 else None
+    return loop, scheduler_facts(model_dir, scheduler, config, times) if plan.rank == 0 else None
 
 
 # NOTE: options every rank's scheduler must share, or the ranks would schedule different steps
