@@ -33,6 +33,11 @@ class EngineConfig:
     gguf_file: str | None = _opt(
         None, "Which .gguf file of a Hugging Face GGUF repository --model names (else its only one)"
     )
+    adapter_path: str | None = _opt(
+        None,
+        "A LoRA adapter directory (mlx-lm's format: adapter_config.json, adapters.safetensors) "
+        "applied at load; adapters can also be loaded and unloaded while running",
+    )
     host: str = _opt("127.0.0.1", "Host the client endpoints bind to")
     zmq_port: int = _opt(30001, "Port of the ZeroMQ SDK endpoint")
     port: int = _opt(30000, "Port of the OpenAI-compatible HTTP API")
@@ -233,6 +238,10 @@ class EngineConfig:
             raise ValueError(f"tp_backend must be auto, ring or nccl, got {self.tp_backend}")
         if self.tp_step_timeout <= 0 or self.tp_init_timeout <= 0:
             raise ValueError("tp_step_timeout and tp_init_timeout must be > 0")
+        if self.adapter_path:
+            _check_adapter_dir(self.adapter_path)
+            if self.tp > 1 or self.tp_hostfile:
+                raise ValueError("--adapter-path with tensor parallel is not supported yet")
         if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
@@ -240,6 +249,14 @@ class EngineConfig:
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:
         return list(dataclasses.fields(cls))
+
+
+def _check_adapter_dir(path: str) -> None:
+    from pathlib import Path
+
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (Path(path).expanduser() / name).is_file():
+            raise ValueError(f"adapter_path: {path} has no {name} (an mlx-lm adapter directory)")
 
 
 def _loopback(host: str) -> bool:

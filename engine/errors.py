@@ -20,6 +20,11 @@ class Overloaded(EngineError):
     """The engine's request queue is full; retry later."""
 
 
+class Paused(EngineError):
+    """Generation is paused (`pause_generation` with new_requests="refuse"); retry after the
+    operator continues it."""
+
+
 class ShuttingDown(EngineError):
     """The engine is shutting down and takes no new requests."""
 

@@ -7,6 +7,7 @@ from engine.errors import (
     EngineError,
     InvalidRequest,
     Overloaded,
+    Paused,
     ProtocolMismatch,
     ShuttingDown,
     Timeout,
@@ -17,6 +18,7 @@ from engine.messages.to_client import Failure
 KINDS: dict[str, type[EngineError]] = {
     "invalid_request": InvalidRequest,
     "overloaded": Overloaded,
+    "paused": Paused,
     "shutting_down": ShuttingDown,
     "engine_dead": EngineDead,
     "timeout": Timeout,

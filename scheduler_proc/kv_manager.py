@@ -124,6 +124,13 @@ class KVManager:
         if self.snapshots is not None and req.slot is not None:
             self.snapshots.take(req.slot, tokens)
 
+    def flush(self) -> int:
+        """The prefix cache emptied of what no running request holds, snapshots with it;
+        returns the tokens dropped."""
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        return self.prefix.flush() if self.prefix is not None else 0
+
     def room(self, n: int) -> bool:
         """Whether `n` pages are free: the pool grows first (doubling, up to its capacity), then
         cached spans nobody runs on are evicted; nothing is evicted when even that could not

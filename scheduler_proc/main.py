@@ -23,6 +23,7 @@ from engine import child
 from engine.config import EngineConfig
 from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
+from engine.messages.admin import AdminCommand
 from engine.messages.to_client import Chunk
 from engine.messages.to_detokenizer import (
     Register,
@@ -84,7 +85,7 @@ def _create(
     model_dir, model, eos, times = load_model(config)
     scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
     facts = scheduler_facts(model_dir, scheduler, config, times)
-    return SchedulerLoop(scheduler, endpoints, orphaned), facts
+    return SchedulerLoop(scheduler, endpoints, orphaned, model_dir), facts
 
 
 def load_model(config: EngineConfig) -> tuple[Path, Any, list[int], tuple[float, float]]:
@@ -126,13 +127,20 @@ def scheduler_facts(
 
 class SchedulerLoop:
     def __init__(
-        self, scheduler: Scheduler, endpoints: Endpoints, orphaned: threading.Event
+        self,
+        scheduler: Scheduler,
+        endpoints: Endpoints,
+        orphaned: threading.Event,
+        model_dir: Path,
     ) -> None:
+        from scheduler_proc.admin import Admin
+
         ctx: zmq.Context = zmq.Context.instance()
         self.sched = scheduler
         self.orphaned = orphaned
         self.inbox: PullQueue[ToScheduler] = PullQueue(ctx, endpoints.scheduler, ToScheduler)
         self.outbox: PushQueue[ToDetokenizer] = PushQueue(ctx, endpoints.detokenizer, ToDetokenizer)
+        self.admin = Admin(scheduler, scheduler.config, model_dir, self.outbox.put)
         self.drain_at: float | None = None
         self.aborted_at: float | None = None
         self._last_tick = 0.0
@@ -150,6 +158,7 @@ class SchedulerLoop:
                 self._idle_since = None
             else:
                 self._idle()
+            self.admin.poll()  # NOTE: after the step's outputs: an answer follows them
         self._exit()
 
     def _idle(self) -> None:
@@ -191,7 +200,9 @@ class SchedulerLoop:
             self.sched.abort(msg.rid)
         elif isinstance(msg, StatsQuery):
             stats = {k: float(v) for k, v in self.sched.stats().items()}
-            self.outbox.put(SchedulerStats(msg.rid, stats))
+            self.outbox.put(SchedulerStats(msg.rid, stats | self.admin.stats()))
+        elif isinstance(msg, AdminCommand):
+            self.admin.submit(msg)
         elif isinstance(msg, Drain):
             self._begin_drain(msg.grace)
 
@@ -219,6 +230,7 @@ class SchedulerLoop:
             n = len(self.sched.in_flight())
             log.info("draining: %d running request(s), grace %.1fs", n, grace)
             self.drain_at = time.monotonic() + grace
+            self.admin.on_drain()
 
     def _enforce_drain(self) -> None:
         if self.drain_at is None or self.aborted_at is not None:

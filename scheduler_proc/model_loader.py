@@ -29,4 +29,9 @@ def load_for_scheduler(
 
         net, model_config = load_model(model_dir)
         eos = eos_ids(model_config.get("eos_token_id")) or []
-    return maybe_dequantize(net, config), eos
+    net = maybe_dequantize(net, config)
+    if config is not None and config.adapter_path:  # NOTE: after dequantizing: the adapter's
+        from scheduler_proc.weights import load_adapter  # arrays take the dtype it computes in
+
+        load_adapter(net, config.adapter_path)
+    return net, eos

@@ -132,6 +132,14 @@ class PrefixCache:
                 return
             self._ref(freed, -1)
 
+    def flush(self) -> int:
+        """Drop every cached span no running request holds; returns the tokens dropped (a
+        running request's own prefix stays until it ends, then is cached as usual)."""
+        before = self.tree.total_tokens
+        while freed := self.tree.evict(self.tree.total_tokens):
+            self._ref(freed, -1)
+        return before - self.tree.total_tokens
+
     def _ref(self, slots: list[int], sign: int) -> None:
         for page, n in Counter(s // self.page_size for s in slots).items():
             if sign > 0:

@@ -58,7 +58,9 @@ def create_rank(
             tokenizer_file=model_dir / "tokenizer.json",
         )
     links = RootLinks(endpoints) if plan.rank == 0 else None
-    loop = ReplicatedLoop(scheduler, group, dog, config.tp_step_timeout, links, orphaned)
+    loop = ReplicatedLoop(
+        scheduler, group, dog, config.tp_step_timeout, links, orphaned, model_dir=model_dir
+    )
     # NOTE: only rank 0 serves clients; a worker's READY carries no facts.
     return loop, scheduler_facts(model_dir, scheduler, config, times) if plan.rank == 0 else None
 

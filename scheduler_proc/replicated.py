@@ -20,6 +20,7 @@ import struct
 import threading
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -28,12 +29,14 @@ import zmq
 from engine.distributed import EXIT_FATAL, Watchdog
 from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
+from engine.messages.admin import AdminCommand
 from engine.messages.to_client import Chunk
 from engine.messages.to_detokenizer import Register, SchedulerExited, StepOutputs, ToDetokenizer
 from engine.messages.to_ranks import Exit, RankCommand
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.wire_errors import to_failure
+from scheduler_proc.admin import Admin
 from scheduler_proc.broadcast import Broadcast
 from scheduler_proc.main import ABORT_SETTLE_S, HEARTBEAT_S, IDLE_WAIT_S
 
@@ -77,6 +80,7 @@ class ReplicatedLoop:
         step_timeout: float,
         links: RootLinks | None,
         orphaned: threading.Event,
+        model_dir: Path | None = None,
     ) -> None:
         self.sched = scheduler
         self.sched.contain_errors = False  # NOTE: a failed step must not be absorbed on one rank
@@ -93,6 +97,9 @@ class ReplicatedLoop:
         self._wait_s = 0.0  # time blocked on frames after the step: what the broadcast costs
         self._last_tick = 0.0
         self._idle = 0  # idle iterations in a row
+        # NOTE: every rank runs the operations (they change state); rank 0 alone answers.
+        model = model_dir or Path(scheduler.config.model or "")
+        self.admin = Admin(scheduler, scheduler.config, model, self._tell, tp_size=group.size())
 
     def run(self) -> None:
         self.dog.arm("a step", self.step_timeout)
@@ -129,7 +136,9 @@ class ReplicatedLoop:
         t0 = time.perf_counter()
         cmds = self.bcast.finish()
         self._wait_s += time.perf_counter() - t0
-        return self._apply(cmds)
+        exit_now = self._apply(cmds)
+        self.admin.poll()  # NOTE: on every rank after the same commands: the same state
+        return exit_now
 
     # -- rank 0: inbox and time --------------------------------------------------------------
     def _heartbeat(self) -> None:
@@ -151,7 +160,7 @@ class ReplicatedLoop:
                 self.bcast.post(msg)
 
     def _stats(self) -> dict[str, float]:
-        stats = {k: float(v) for k, v in self.sched.stats().items()}
+        stats = {k: float(v) for k, v in self.sched.stats().items()} | self.admin.stats()
         stats |= {
             "tp_size": float(self.bcast.size),
             "tp_iterations": float(self.iteration),
@@ -194,11 +203,14 @@ class ReplicatedLoop:
                 self._submit(cmd)
             elif isinstance(cmd, Abort):
                 self.sched.abort(cmd.rid)
+            elif isinstance(cmd, AdminCommand):
+                self.admin.submit(cmd)
             elif isinstance(cmd, Drain):
                 if self.drain_at is None:
                     n = len(self.sched.in_flight())
                     log.info("draining: %d running request(s), grace %.1fs", n, cmd.grace)
                     self.drain_at = time.monotonic() + cmd.grace
+                    self.admin.on_drain()
             elif isinstance(cmd, Exit):
                 log.info(
                     "rank %d: exit at iteration %d (%s)", self.rank, self.iteration, cmd.reason

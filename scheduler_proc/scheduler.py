@@ -136,6 +136,10 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap
+        # NOTE: an operator's pause (scheduler_proc/admin.py): waiting requests stay queued while
+        # not admitting; running requests keep their rows and take no step while not stepping.
+        self.admitting = True
+        self.stepping = True
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
         # NOTE: False under tensor parallel: a failed step (a lost peer) must stop the engine.
         self.contain_errors = True
@@ -201,7 +205,7 @@ class Scheduler:
             self._end(req, "abort")
 
     def step(self) -> list[Chunk]:
-        if not self._closed:
+        if not self._closed and self.stepping:
             try:
                 self._step_overlap() if self.overlap else self._step_sync()
             except Exception as exc:  # NOTE: one bad step fails its requests, not the engine
@@ -221,8 +225,49 @@ class Scheduler:
             futures.wait(building, timeout=0.005, return_when=futures.FIRST_COMPLETED)
 
     def has_work(self) -> bool:
+        if not self.stepping:
+            return bool(self._touched)
         busy = self._current or self._next or self.running.reqs
-        return bool(busy or self._waiting or self._touched)
+        return bool(busy or (self._waiting and self.admitting) or self._touched)
+
+    def quiesce(self) -> None:
+        """Finish the step in flight (its tokens go out with the next `step()`), so that rows
+        may move and the model may change; nothing is launched."""
+        try:
+            for batch in (self._current, self._next):
+                if batch is not None:
+                    self._finalize(batch)
+            self._current = self._next = None
+            self._settle()
+        except Exception as exc:
+            if not self.contain_errors:
+                raise
+            log.exception("step failed")
+            self._fail_in_flight(exc)
+
+    def retract_running(self) -> int:
+        """Every running request gives its row and pages back and waits at the front of the
+        queue, in admission order, to be recomputed (its stream intact); after `quiesce()`."""
+        assert self._current is None and self._next is None, "a step is in flight"
+        running = sorted(self.running.reqs, key=lambda r: r.admitted, reverse=True)
+        for req in running:
+            self._preempt(req, "generation paused (retract)")
+        return len(running)
+
+    def abort_all(self) -> list[str]:
+        """End every request in flight, running or waiting (finish_reason "abort")."""
+        live = [r for r in self._reqs.values() if not r.finished]
+        for req in live:
+            self._end(req, "abort")
+        return [r.rid for r in live]
+
+    def running_requests(self) -> int:
+        """Requests holding a row, or with outputs not yet reported."""
+        return len(self.running.reqs) + len(self._touched)
+
+    def unreported(self) -> bool:
+        """Whether some output waits for the next `step()` to report it."""
+        return bool(self._touched)
 
     def went_idle(self) -> None:
         """Nothing left to run: MLX's cache of freed buffers goes back to the system (a load's
@@ -359,7 +404,7 @@ class Scheduler:
         """Whether the next waiting request could be admitted now (a slot, and pages by a
         cheap estimate: free pages and what the prefix cache could give up), or a row given
         back for it (`_fair_victim`)."""
-        if not self._waiting:
+        if not self._waiting or not self.admitting:
             return False
         req = self._waiting.peek(self.running.rows_of)
         if self.running.free_slots > 0 and self.kv.could_free(
@@ -424,7 +469,8 @@ class Scheduler:
         NOTE: decode rows wait at most one prefill step: after a prefill step, a decode step runs
         whenever there is a row to decode.
         """
-        self._admit()
+        if self.admitting:
+            self._admit()
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
         if not (self._prefill_last and (decoding or ready)):

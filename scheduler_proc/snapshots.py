@@ -53,6 +53,9 @@ class SlotSnapshots:
                 return n
         return 0
 
+    def clear(self) -> None:
+        self._store.clear()
+
     def restore(self, slot: int, tokens: list[int]) -> None:
         key = _key(tokens)
         self._store.move_to_end(key)

@@ -75,6 +75,13 @@ class StatsReply(Message):
     stats: dict[str, float] = {}
 
 
+class AdminReply(Message):
+    """An operation on the running engine succeeded (engine/messages/admin.py); what it did."""
+
+    rid: str
+    info: dict[str, Any] = {}
+
+
 class Ack(Message):
     """A call without a payload (abort, shutdown) was accepted."""
 
@@ -90,4 +97,4 @@ class Closing(Message):
     `ClosingAck` once it has read everything before this (the front door closes after that)."""
 
 
-ToClient = Welcome | Chunk | Failure | HealthReply | StatsReply | Ack | Pong | Closing
+ToClient = Welcome | Chunk | Failure | HealthReply | StatsReply | AdminReply | Ack | Pong | Closing

@@ -7,6 +7,7 @@ One sender keeps every request's messages in order: `Register` before its first 
 
 from __future__ import annotations
 
+from engine.messages.admin import AdminDone
 from engine.messages.to_client import Chunk
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.protocol import Message
@@ -30,5 +31,11 @@ class SchedulerExited(Message):
 
 
 ToDetokenizer = (
-    Register | StepOutputs | Heartbeat | SchedulerStats | RequestFailed | SchedulerExited
+    Register
+    | StepOutputs
+    | Heartbeat
+    | SchedulerStats
+    | AdminDone
+    | RequestFailed
+    | SchedulerExited
 )

@@ -6,6 +6,7 @@ step, so every rank runs the same steps (docs/distributed.md).
 
 from __future__ import annotations
 
+from engine.messages.admin import AdminCommand
 from engine.messages.to_scheduler import Abort, Drain, TokenizedRequest
 from engine.protocol import Message
 
@@ -16,4 +17,4 @@ class Exit(Message):
     reason: str
 
 
-RankCommand = TokenizedRequest | Abort | Drain | Exit
+RankCommand = TokenizedRequest | Abort | Drain | AdminCommand | Exit

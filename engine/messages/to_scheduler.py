@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.messages.admin import AdminCommand
 from engine.protocol import Message
 from engine.sampling_params import SamplingParams
 
@@ -31,4 +32,4 @@ class Drain(Message):
     grace: float
 
 
-ToScheduler = TokenizedRequest | Abort | StatsQuery | Drain
+ToScheduler = TokenizedRequest | Abort | StatsQuery | Drain | AdminCommand

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from engine.messages.admin import AdminDone, AdminRequest
 from engine.messages.to_client import Chunk, Failure
 from engine.protocol import Message
 
@@ -93,6 +94,7 @@ FromClient = (
     | HealthGenerate
     | GetStats
     | ShutdownEngine
+    | AdminRequest
     | Ping
     | Goodbye
     | ClosingAck
@@ -136,4 +138,6 @@ class PipelineDrained(Message):
     """The detokenizer's last message: nothing more will come; the tokenizer may exit."""
 
 
-FromEngine = Chunks | RequestFailed | Heartbeat | SchedulerStats | Control | PipelineDrained
+FromEngine = (
+    Chunks | RequestFailed | Heartbeat | SchedulerStats | AdminDone | Control | PipelineDrained
+)
