@@ -12,11 +12,13 @@ import os
 import queue
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from engine import control_token
+from engine.client_operations import Operations, wait_for
 from engine.errors import EngineDead, EngineError, Timeout
+from engine.messages import admin as ops
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.protocol import PROTOCOL_VERSION
@@ -37,6 +39,7 @@ Call = (
     | tt.HealthGenerate
     | tt.GetStats
     | tt.ShutdownEngine
+    | ops.AdminRequest
 )
 
 
@@ -133,6 +136,9 @@ class _Client:
     def _shutdown(self) -> tt.ShutdownEngine:
         return tt.ShutdownEngine(_rid(), self._control_key())
 
+    def _admin(self, op: ops.AdminOp) -> ops.AdminRequest:
+        return ops.AdminRequest(_rid(), op, self._control_key())
+
     def _control_key(self) -> str | None:
         """The owner's token for this address when this user has one (engine/control_token.py),
         else the API key: an engine with client keys (--api-keys-file) and no --api-key takes
@@ -143,7 +149,7 @@ class _Client:
         return EngineDead(f"no engine answers at {self.address}")
 
 
-class EngineClient(_Client):
+class EngineClient(_Client, Operations[dict[str, Any]]):
     """Blocking client; safe to share between threads (each call has its own reply queue)."""
 
     def _started(self) -> None:
@@ -225,6 +231,9 @@ class EngineClient(_Client):
         """Ask the engine to shut down gracefully (as SIGTERM does)."""
         self._call(self._shutdown(), tc.Ack)
 
+    def _operate(self, op: ops.AdminOp, timeout: float | None) -> dict[str, Any]:
+        return dict(self._call(self._admin(op), tc.AdminReply, wait_for(timeout)).info)
+
     def close(self) -> None:
         self._t.close()
 
@@ -258,7 +267,7 @@ class EngineClient(_Client):
             raise Timeout("no answer from the engine within the deadline") from None
 
 
-class AsyncEngineClient(_Client):
+class AsyncEngineClient(_Client, Operations[Awaitable[dict[str, Any]]]):
     """The same calls as coroutines and async iterators, for asyncio programs."""
 
     info: tc.Welcome | None = None
@@ -334,6 +343,12 @@ class AsyncEngineClient(_Client):
 
     async def shutdown(self) -> None:
         await self._call(self._shutdown(), tc.Ack)
+
+    async def _operate_async(self, op: ops.AdminOp, timeout: float | None) -> dict[str, Any]:
+        return dict((await self._call(self._admin(op), tc.AdminReply, wait_for(timeout))).info)
+
+    def _operate(self, op: ops.AdminOp, timeout: float | None) -> Awaitable[dict[str, Any]]:
+        return self._operate_async(op, timeout)
 
     async def close(self) -> None:
         self._t.close()

@@ -18,6 +18,7 @@ from detokenizer_proc.detokenizer import Detokenizer
 from engine import constraints
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError
+from engine.messages import admin as ops
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
@@ -122,6 +123,7 @@ class InProcessEngine:
         from mlx_lm.utils import load_tokenizer
 
         from engine.models import resolve_model_dir, served_name
+        from scheduler_proc.admin import Admin
         from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
 
@@ -144,6 +146,8 @@ class InProcessEngine:
         )
         self.welcomed = False
         self.probes: dict[str, tuple[HealthProbe, str]] = {}  # probe rid -> (probe, caller rid)
+        self.admin = Admin(self.sched, self.config, model_dir, self._operation_done)
+        self.operations: dict[str, ops.AdminOp] = {}  # caller rid -> its operation
 
     def _loop(self) -> None:
         while True:
@@ -156,6 +160,7 @@ class InProcessEngine:
                 self._handle(msg)
             if self.sched.has_work():
                 self._on_outputs(self.sched.step())
+            self.admin.poll()
 
     def _take(self, wait: float | None) -> list[Any]:
         msgs = []
@@ -197,6 +202,16 @@ class InProcessEngine:
         elif isinstance(msg, tt.ShutdownEngine):
             self.core.draining = True
             self._reply(tc.Ack(msg.rid))
+        elif isinstance(msg, ops.AdminRequest):
+            self.operations[msg.rid] = msg.op
+            self.core.operation_sent(msg.op)
+            self.admin.submit(ops.AdminCommand(msg.rid, msg.op))
+
+    def _operation_done(self, done: ops.AdminDone) -> None:
+        op = self.operations.pop(done.rid, None)
+        if op is not None:
+            self.core.operation_done(op, None if done.failure else done.info)
+        self._reply(done.failure or tc.AdminReply(done.rid, done.info))
 
     def _abort(self, msg: tt.AbortRequest) -> None:
         try:

@@ -46,7 +46,13 @@ def test_a_failed_venv_creation_is_not_left_behind(tmp_path):
 
 NO_MODEL = ("bench_kv_cache.py", "bench_decode_attention.py", "bench_prefill_attention.py")
 # NOTE: scripts that launch the engine or build token masks need a model with its tokenizer
-WITH_TOKENIZER = ("bench_agent.py", "bench_fairness.py", "bench_grammar.py", "check_structured.py")
+WITH_TOKENIZER = (
+    "bench_agent.py",
+    "bench_fairness.py",
+    "bench_grammar.py",
+    "bench_operations.py",
+    "check_structured.py",
+)
 SCRIPT_RUNS = {
     "bench_kv_cache.py": ["--batch", "2", "--length", "32"],
     "bench_decode_attention.py": [
@@ -69,6 +75,7 @@ SCRIPT_RUNS = {
     "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
     "bench_fairness.py": ["--flood-requests", "3", "--output-len", "8", "--seconds", "1"],
     "bench_grammar.py": ["--rows", "4", "--tokens", "3", "--mix", "0.5"],
+    "bench_operations.py": ["--streams", "2", "--output-len", "8", "--hold", "0.2"],
     "check_structured.py": ["--samples", "2", "--batch", "2", "--max-tokens", "12"],
     "bench_scheduler.py": [
         *("--num-requests", "2", "--max-tokens", "2", "--min-tokens", "1", "--min-prompt", "2"),

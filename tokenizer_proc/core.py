@@ -22,9 +22,11 @@ from engine.errors import (
     EngineError,
     InvalidRequest,
     Overloaded,
+    Paused,
     ShuttingDown,
     Unauthorized,
 )
+from engine.messages import admin as ops
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.protocol import PROTOCOL_VERSION
@@ -92,6 +94,8 @@ class FrontDoor:
         self.draining = False
         self.dead = False
         self.last_tick = time.monotonic()
+        self.paused: ops.PauseGeneration | None = None  # NOTE: the operator's, as last told
+        self.changing_model = 0  # NOTE: weight or adapter changes in flight (the loop is busy)
 
     # --- keys and the welcome -------------------------------------------------------------------
 
@@ -130,7 +134,7 @@ class FrontDoor:
         """With a key, a client is served once its Hello carried it (`welcomed`), and its
         control messages must carry it again; without one, control messages carry the owner's
         token. Hello and Ping are always answered."""
-        if isinstance(msg, (tt.GetStats, tt.ShutdownEngine)):
+        if isinstance(msg, (tt.GetStats, tt.ShutdownEngine, ops.AdminRequest)):
             return self.control_ok(msg.api_key) and (welcomed or not self.limits.api_key)
         return not self.keyed or isinstance(msg, (tt.Hello, tt.Ping)) or welcomed
 
@@ -159,9 +163,36 @@ class FrontDoor:
         if self.dead or self.draining:
             return False, "engine dead" if self.dead else "shutting down"
         age = time.monotonic() - self.last_tick
-        if age > HEALTHY_WITHIN_S:
+        if age > HEALTHY_WITHIN_S and not self.changing_model:
             return False, f"scheduler loop silent for {age:.1f}s"
+        if self.changing_model:
+            return True, "changing the model (weights or adapter); new requests wait"
+        if self.paused is not None:
+            return True, paused_detail(self.paused)
         return True, ""
+
+    # --- operations -----------------------------------------------------------------------------
+
+    def operation_sent(self, op: ops.AdminOp) -> None:
+        """An operation goes to the scheduler: a pause refuses new requests from now on (when
+        asked to); a continue admits them again; a model change may keep the loop busy."""
+        if isinstance(op, ops.PauseGeneration):
+            self.paused = op
+        elif isinstance(op, ops.ContinueGeneration):
+            self.paused = None
+        elif isinstance(op, ops.MODEL_CHANGES):
+            self.changing_model += 1
+
+    def operation_done(self, op: ops.AdminOp, info: Mapping[str, object] | None) -> None:
+        """Its answer came (`info`; None: it failed or was lost): the pause is the scheduler's."""
+        if isinstance(op, ops.MODEL_CHANGES):
+            self.changing_model -= 1
+        if info is None:
+            return
+        if not info.get("paused"):
+            self.paused = None
+        elif isinstance(op, ops.PauseGeneration):
+            self.paused = op
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -190,6 +221,8 @@ class FrontDoor:
             raise EngineDead("an engine process died")
         if self.draining:
             raise ShuttingDown("the engine is shutting down")
+        if self.paused is not None and self.paused.new_requests == "refuse":
+            raise Paused("generation is paused by the operator; retry after it continues")
         if not isinstance(rid, str) or not rid or rid in self.table:
             raise InvalidRequest("rid", f"must be a unique non-empty id, got {rid!r}")
         if len(self.table) >= self.limits.max_in_flight:
@@ -324,6 +357,11 @@ class FrontDoor:
 
     def render_metrics(self, scheduler: dict[str, float]) -> bytes:
         return self.metrics.render(self.stats(scheduler))
+
+
+def paused_detail(pause: ops.PauseGeneration) -> str:
+    queue = "queue" if pause.new_requests == "queue" else "are refused"
+    return f"generation paused ({pause.mode}); new requests {queue}"
 
 
 def peer_client(remote: str | None, forwarded_for: str, trusted: frozenset[str]) -> str:

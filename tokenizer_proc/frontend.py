@@ -24,8 +24,9 @@ import zmq.asyncio
 
 from engine import constraints, control_token
 from engine.config import EngineConfig
-from engine.errors import EngineError, InvalidRequest
+from engine.errors import EngineDead, EngineError, InvalidRequest, ShuttingDown
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
+from engine.messages import admin as ops
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_launcher import SchedulerFacts
@@ -33,8 +34,9 @@ from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, To
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare, tool_calls, tool_choice
-from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, unauthorized
+from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
+from tokenizer_proc.operations import Operations
 from tokenizer_proc.requests import Entry
 from tokenizer_proc.trim import Trimmer
 
@@ -81,6 +83,7 @@ class Frontend:
         self._client_codec: Codec[tt.FromClient] = Codec(tt.FromClient)
         self._reply_codec: Codec[tc.ToClient] = Codec(tc.ToClient)
         self._open_sockets(endpoints)
+        self.operations = Operations(self.core, self.to_scheduler.put)
 
     def _open_sockets(self, endpoints: Endpoints) -> None:
         self._actx = zmq.asyncio.Context()
@@ -170,6 +173,8 @@ class Frontend:
             self.to_scheduler.put(Abort(rid))
 
     async def health_generate(self) -> tuple[bool, str]:
+        if self.core.paused is not None:  # NOTE: no generation runs until the operator says so
+            return False, paused_detail(self.core.paused)
         probe = HealthProbe()
         entry = Entry(None, chunks=asyncio.Queue())
         try:
@@ -279,6 +284,15 @@ class Frontend:
         elif isinstance(msg, tt.ShutdownEngine):
             self.begin_shutdown("shutdown() from a client")
             await self._send(client, tc.Ack(msg.rid))
+        elif isinstance(msg, ops.AdminRequest):
+            self._spawn(self._reply_operation(client, msg))
+
+    async def _reply_operation(self, client: bytes, msg: ops.AdminRequest) -> None:
+        try:
+            reply: tc.ToClient = tc.AdminReply(msg.rid, await self.operations.run(msg.op))
+        except EngineError as e:
+            reply = to_failure(msg.rid, e)
+        await self._send(client, reply)
 
     async def _reply_health_generate(self, client: bytes, rid: str) -> None:
         healthy, detail = await self.health_generate()
@@ -401,9 +415,12 @@ class Frontend:
             future = self._stats_calls.get(msg.rid)
             if future is not None and not future.done():
                 future.set_result(dict(msg.stats))
+        elif isinstance(msg, ops.AdminDone):
+            self.operations.done(msg)
         elif isinstance(msg, tt.Control):
             await self._on_control(msg)
         elif isinstance(msg, tt.PipelineDrained):
+            self.operations.fail_all(ShuttingDown("the engine shut down"))
             await self._end_all("abort")
             await self._farewell.run(self._welcomed, self._send)  # NOTE: clients still served
             self.done.set()
@@ -423,6 +440,7 @@ class Frontend:
             self.core.draining = True
         elif msg.action == "fail":
             self.core.dead = True
+            self.operations.fail_all(EngineDead(f"an engine process died: {msg.reason}"))
             await self._end_all("engine_dead", msg.reason)
             self.done.set()  # NOTE: the launcher stops the engine; the ROUTER's linger flushes
 

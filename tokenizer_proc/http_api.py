@@ -25,6 +25,7 @@ from engine.errors import (
 )
 from engine.messages import to_tokenizer as tt
 from tokenizer_proc import (
+    admin_api,
     anthropic_api,
     choices,
     connections,
@@ -99,6 +100,9 @@ class HttpApi:
                 web.get("/metrics", self._metrics),
                 web.get("/", page.index),
                 web.get("/ui/{name}", page.asset),
+                *admin_api.AdminApi(
+                    self.core, frontend.operations, frontend.config, _json_body
+                ).routes(),
             ]
         )
         self.runner: web.AppRunner | None = None
@@ -164,6 +168,7 @@ class HttpApi:
         if page.is_public(request.path):  # NOTE: the page's files; it asks for the key itself
             return await handler(request)
         self.core.check_key(key)
+        request["key"] = key  # NOTE: the operator's routes check it again (admin_api.py)
         forwarded = request.headers.get("X-Forwarded-For", "")
         request["client"] = self.core.client_of(
             key, peer_client(request.remote, forwarded, self._proxies)
@@ -315,7 +320,14 @@ class HttpApi:
     # --- health and metrics ---------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
-        return _health_response(*self.core.health())
+        healthy, detail = self.core.health()
+        paused = self.core.paused
+        if healthy and paused is not None:
+            # NOTE: a balancer should send new requests elsewhere only when they are refused
+            body = {"status": "paused", "detail": detail, "new_requests": paused.new_requests}
+            status = 503 if paused.new_requests == "refuse" else 200
+            return json_response(msgspec.json.encode(body), status)
+        return _health_response(healthy, detail)
 
     async def _health_generate(self, request: web.Request) -> web.Response:
         return _health_response(*await self.fe.health_generate())

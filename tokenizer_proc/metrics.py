@@ -26,6 +26,9 @@ GAUGES = (
     ("kv_tokens_used", "kv_tokens_in_use", "KV cache tokens held by running requests"),
     ("kv_tokens_total", "kv_tokens_total", "KV cache capacity in tokens"),
     ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache"),
+    ("prefix_cache_tokens", "prefix_cache_tokens", "Tokens held by the prefix cache"),
+    ("generation_paused", "paused", "1 while the operator paused generation"),
+    ("weights_version", "weights_version", "Weight swaps since launch"),
 )
 # counters read from the stats snapshot (the `_total` suffix is added by the text format)
 COUNTERS = (
