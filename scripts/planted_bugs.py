@@ -48,6 +48,7 @@ DEFAULT_TESTS = (
     "tests/test_scheduler_penalties.py",
     "tests/test_scheduler_sampling.py",
     "tests/test_fair_admission.py",
+    "tests/test_operations.py",
 )
 MIN_TIMEOUT_S = 600.0
 DEADLINE_TEXT = "the test ran past its deadline"  # tests/engine_harness.py `deadline`
@@ -323,6 +324,24 @@ BUGS = (
         "scheduler_proc/waiting.py",
         "return min(self._lines, key=lambda c: (rows(c), served.get(c, 0)))",
         "return next(iter(self._lines))",
+    ),
+    Bug(
+        "a paused engine goes on admitting waiting requests",
+        "scheduler_proc/admin.py",
+        "self.sched.admitting = paused is None and not self._holding",
+        "self.sched.admitting = not self._holding",
+    ),
+    Bug(
+        "new weights leave the old model's KV in the prefix cache",
+        "scheduler_proc/admin.py",
+        'info["flushed_tokens"] = sched.kv.flush()',
+        'info["flushed_tokens"] = 0',
+    ),
+    Bug(
+        "a model change does not wait for running requests",
+        "scheduler_proc/admin.py",
+        "            while sched.running_requests():\n                yield\n",
+        "            sched.abort_all()\n",
     ),
 )
 
