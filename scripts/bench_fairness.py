@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,46 +46,24 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def launched(args: argparse.Namespace, out: Path) -> Iterator[tuple[str, str]]:
     """The engine, once it answers the SDK: (SDK address, HTTP URL)."""
+    from launched import launched_engine
+
     from engine.client import EngineClient
     from engine.errors import EngineError
 
     (out / "keys").write_text(f"attacker {ATTACKER}\ngood {GOOD}\n")
-    zmq_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(zmq_port)]
-    cmd += ["--port", str(http_port), "--api-keys-file", str(out / "keys")]
-    cmd += ["--http-max-connections-per-peer", "0"]
-    cmd += ["--context-length", str(args.output_len + 512), *args.launch_arg]
-    cmd += ["--model", args.model] if args.model else []
-    log = open(out / "launch.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"tcp://127.0.0.1:{zmq_port}"
-    try:
-        deadline = time.monotonic() + 900
-        while "engine ready" not in (out / "launch.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((out / "launch.log").read_text()[-3000:])
-            time.sleep(0.2)
+    options = ["--api-keys-file", str(out / "keys"), "--http-max-connections-per-peer", "0"]
+    options += ["--context-length", str(args.output_len + 512), *args.launch_arg]
+    options += ["--model", args.model] if args.model else []
+    with launched_engine(options, out / "launch.log") as (zmq_port, http_port):
+        address = f"tcp://127.0.0.1:{zmq_port}"
         with EngineClient(address, api_key=GOOD, timeout=120) as c:
             with contextlib.suppress(EngineError):  # NOTE: first shapes, before timing
                 c.generate(input_ids=[1, 2, 3], max_tokens=4, ignore_eos=True)
         yield address, f"http://127.0.0.1:{http_port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def good(address: str, url: str, seconds: float) -> dict[str, list[float]]:

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,36 +41,14 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def launched(args: argparse.Namespace, out: Path) -> Iterator[tuple[str, str]]:
     """The engine once READY: (SDK address, the model directory it serves)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
-    cmd += ["--port", str(free_port()), *args.launch_arg]
-    cmd += ["--model", args.model] if args.model else []
-    log = open(out / "launch.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 900
-        while "engine ready" not in (out / "launch.log").read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((out / "launch.log").read_text()[-3000:])
-            time.sleep(0.2)
-        yield f"tcp://127.0.0.1:{port}", _model_dir(out / "launch.log")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+    from launched import launched_engine
+
+    options = [*args.launch_arg, *(["--model", args.model] if args.model else [])]
+    with launched_engine(options, out / "launch.log") as (zmq_port, _):
+        yield f"tcp://127.0.0.1:{zmq_port}", _model_dir(out / "launch.log")
 
 
 def _model_dir(log: Path) -> str:

@@ -181,6 +181,7 @@ async function refresh() {
     const total = m[p + "kv_tokens_total"] || 1;
     $("s-kv").textContent = `${m[p + "kv_tokens_used"]} (${((100 * m[p + "kv_tokens_used"]) / total).toFixed(1)}%)`;
     $("s-hits").textContent = (100 * m[p + "prefix_cache_hit_rate"]).toFixed(1) + "%";
+    $("s-state").textContent = m[p + "generation_paused"] ? "paused" : "running";
     $("s-received").textContent = m[p + "requests_received_total"];
     const finished = Object.keys(m).filter((k) => k.startsWith(p + "requests_finished_total"));
     $("s-finished").textContent = finished.reduce((sum, k) => sum + m[k], 0);
