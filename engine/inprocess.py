@@ -24,7 +24,7 @@ from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare, tool_calls, tool_choice
-from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, unauthorized
+from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("engine.inprocess")
@@ -269,6 +269,9 @@ class InProcessEngine:
     # --- health generation ----------------------------------------------------------------------
 
     def _health_generate(self, caller: str) -> None:
+        if self.core.paused is not None:  # NOTE: as the front door: nothing generates now
+            self._reply(tc.HealthReply(caller, False, paused_detail(self.core.paused)))
+            return
         probe = HealthProbe()
 
         def sink(msg: tc.ToClient) -> None:

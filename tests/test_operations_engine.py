@@ -109,6 +109,7 @@ def test_retract_with_16_streams_then_continue_equals_an_uninterrupted_run(sdk):
     info = sdk.pause_generation("retract")
     assert info["paused"] and info["retracted"] > 0, info
     assert sdk.stats()["running"] == 0
+    assert sdk.health() and not sdk.health_generate()  # NOTE: alive, but generating nothing
     held = streams.counts()
     time.sleep(0.5)
     assert streams.counts() == held  # NOTE: nothing runs while paused
