@@ -11,11 +11,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from detokenizer_proc.detokenizer import Detokenizer
-from engine import constraints
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError
 from engine.messages import admin as ops
@@ -23,7 +21,8 @@ from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare, tool_calls, tool_choice
+from tokenizer_proc import limits, tool_calls
+from tokenizer_proc.admission import Admission
 from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
 from tokenizer_proc.requests import Entry
 
@@ -120,9 +119,8 @@ class InProcessEngine:
             self._reply(to_failure(rid, EngineDead(reason)))
 
     def _start(self) -> None:
-        from mlx_lm.utils import load_tokenizer
-
         from engine.models import resolve_model_dir, served_name
+        from engine.tokenizer_loader import load_tokenizer, tokenizer_defaults
         from scheduler_proc.admin import Admin
         from scheduler_proc.model_loader import load_for_scheduler
         from scheduler_proc.scheduler import Scheduler
@@ -130,7 +128,8 @@ class InProcessEngine:
         model_dir = resolve_model_dir(self.config.model, self.config.gguf_file)
         model, eos = load_for_scheduler(str(model_dir), self.config)
         self.sched = Scheduler(self.config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
-        self.tokenizer = load_tokenizer(Path(model_dir))
+        # NOTE: the tokenizer processes' loader, with the scheduler's model defaults
+        self.tokenizer = load_tokenizer(model_dir, tokenizer_defaults(model_dir))
         self.detok = Detokenizer(self.tokenizer)
         slots = self.sched.running.slots
         self.core = FrontDoor(
@@ -144,6 +143,7 @@ class InProcessEngine:
                 ),
             )
         )
+        self.admission = Admission(self.core, self.config, self.tokenizer)
         self.welcomed = False
         self.probes: dict[str, tuple[HealthProbe, str]] = {}  # probe rid -> (probe, caller rid)
         self.admin = Admin(self.sched, self.config, model_dir, self._operation_done)
@@ -223,35 +223,21 @@ class InProcessEngine:
         self._reply(tc.Ack(msg.rid))
 
     def _generate(self, msg: tt.Generate, owner: str | None) -> None:
+        # NOTE: the entry names no client (no fair share): every caller of this engine is one.
         entry = Entry(owner)
         if isinstance(msg.tools, list):
             entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
-
-        def screen() -> None:
-            # NOTE: the front door's limits, in its order (tokenizer_proc.frontend._admit); no
-            # fair share (the entry names no client): every caller of this engine is one.
-            limits.check_generate(msg, self.config, self.core.limits.max_context)
-            if msg.tool_choice is not None:
-                tool_choice.force(msg, self.tokenizer)
-
         try:
-            params = self.core.admit(msg, entry, screen)
+            admitted = self.admission.admit(msg, entry)
         except EngineError as e:
             self._reply(to_failure(msg.rid, e))
             return
+        params = admitted.params
         try:
-            limits.check_stop(params, self.config)
-            constraints.check(params)
-            ids = prepare.token_ids(
-                msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context
-            )
+            ids = self.admission.token_ids(msg, params)
             self.sched.submit(msg.rid, ids, params, checked=True)
-        except EngineError as e:
-            self._reply(self.core.fail(msg.rid, e))
-            return
         except Exception as e:  # NOTE: as in the scheduler process: one bad request fails alone
-            log.exception("rid=%s submit failed", msg.rid)
-            self._reply(self.core.fail(msg.rid, EngineError(f"{type(e).__name__}: {e}")))
+            self._reply(to_failure(msg.rid, self.admission.fail(msg.rid, e)))
             return
         self.core.forwarded(msg.rid, entry)  # NOTE: one thread: no abort can come in between
         self.detok.register(msg.rid, list(params.stop))

@@ -15,10 +15,11 @@ setup_cpu_backend(None, log_line=False)
 from engine.config import EngineConfig  # noqa: E402
 from engine.messages.to_tokenizer import Generate  # noqa: E402
 from engine.results import GenerateResult, StreamChunk  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
 from scheduler_proc.model_loader import load_for_scheduler  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
-from tokenizer_proc import limits  # noqa: E402
+from tokenizer_proc.admission import Admission  # noqa: E402
+from tokenizer_proc.core import FrontDoor, limits_for  # noqa: E402
+from tokenizer_proc.requests import Entry  # noqa: E402
 
 
 class OfflineEngine:
@@ -27,12 +28,17 @@ class OfflineEngine:
     def __init__(self, model: str | None = None, **config_overrides: Any) -> None:
         self.config = EngineConfig(model=model, **config_overrides).validate()
         setup_cpu_backend(self.config)  # NOTE: logs which BLAS MLX calls, once per process
-        from engine.models import resolve_model_dir
+        from engine.models import resolve_model_dir, served_name
 
         model_dir = resolve_model_dir(self.config.model, self.config.gguf_file)
         net, eos = load_for_scheduler(str(model_dir), self.config)
         tokenizer = model_dir / "tokenizer.json"
-        self.scheduler = Scheduler(self.config, net, eos, tokenizer_file=tokenizer)
+        self.scheduler = sched = Scheduler(self.config, net, eos, tokenizer_file=tokenizer)
+        name = served_name(self.config.model, model_dir)
+        facts = (name, int(sched.vocab), sched.max_context, sched.running.slots)
+        # NOTE: the launched engine's admission (limits, counters), token ids only: no tokenizer
+        self.core = FrontDoor(limits_for(self.config, facts))
+        self.admission = Admission(self.core, self.config, None)
         self._ids = itertools.count()
 
     def generate(
@@ -46,7 +52,7 @@ class OfflineEngine:
         try:
             for ids, kw in zip(prompts, per_prompt, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                self.scheduler.submit(rid, list(ids), self._screened(rid, list(ids), kw))
+                self._submit(Generate(rid, input_ids=list(ids), params=kw))
                 results[rid] = GenerateResult(rid)
         except Exception:
             self._abort_all(results)  # NOTE: all or nothing; no orphans left running
@@ -54,14 +60,17 @@ class OfflineEngine:
         self._run(results)
         return list(results.values())
 
-    def _screened(self, rid: str, ids: list[int], kw: dict[str, Any]) -> SamplingParams:
-        """The launched engine's input limits (tokenizer_proc/limits.py): same options, same
-        `InvalidRequest`s; the scheduler checks the prompt against the context itself."""
-        request = Generate(rid, input_ids=ids, params=kw)
-        limits.check_generate(request, self.config, self.scheduler.max_context)
-        params = SamplingParams.parse(kw)
-        limits.check_stop(params, self.config)
-        return params
+    def _submit(self, request: Generate) -> None:
+        """The launched engine's admission (tokenizer_proc/admission.py): same limits, same
+        `InvalidRequest`s, then the scheduler."""
+        entry = Entry(None)
+        admitted = self.admission.admit(request, entry)
+        try:
+            ids = self.admission.token_ids(request, admitted.params)
+            self.scheduler.submit(request.rid, ids, admitted.params, checked=True)
+        except Exception as e:
+            raise self.admission.fail(request.rid, e) from e
+        self.core.forwarded(request.rid, entry)
 
     def _abort_all(self, results: dict[str, GenerateResult]) -> None:
         for rid in results:
@@ -72,6 +81,7 @@ class OfflineEngine:
         pending = {rid for rid, r in results.items() if r.finish_reason is None}
         while pending:
             for out in self.scheduler.step():
+                self.core.on_chunk(out)
                 if out.rid in results:
                     results[out.rid].add(StreamChunk.from_wire(out))
                     if out.finish_reason is not None:

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import constraints, control_token
+from engine import control_token
 from engine.config import EngineConfig
 from engine.errors import EngineDead, EngineError, InvalidRequest, ShuttingDown
 from engine.ipc import HWM, LINGER_MS, AsyncPullQueue, Endpoints, PushQueue
@@ -33,7 +33,8 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare, tool_calls, tool_choice
+from tokenizer_proc import limits, prepare, tool_calls
+from tokenizer_proc.admission import INLINE_CHARS, Admission, Admitted, slow_text
 from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
 from tokenizer_proc.operations import Operations
@@ -43,8 +44,6 @@ from tokenizer_proc.trim import Trimmer
 log = logging.getLogger("tokenizer")
 
 STATS_TIMEOUT_S = 5.0
-# NOTE: short inputs tokenize in tens of microseconds; a thread hop would cost more than it saves.
-INLINE_CHARS = 2048
 HEARTBEAT_IVL_MS = 1000
 YIELD_EVERY_S = 0.005
 _CLIENT_TYPES = {cls.__name__: cls for cls in tt.FromClient.__args__}
@@ -83,6 +82,7 @@ class Frontend:
         self._client_codec: Codec[tt.FromClient] = Codec(tt.FromClient)
         self._reply_codec: Codec[tc.ToClient] = Codec(tc.ToClient)
         self._open_sockets(endpoints)
+        self.admission = Admission(self.core, config, tokenizer)
         self.operations = Operations(self.core, self.to_scheduler.put)
 
     def _open_sockets(self, endpoints: Endpoints) -> None:
@@ -156,7 +156,7 @@ class Frontend:
         limits on its size as a request's, the tokenizer pool for long ones."""
         chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
         args = (msg, self.tokenizer, self.core.limits.vocab_size, sys.maxsize, generation_prompt)
-        if not _needs_pool(msg, chars):
+        if not slow_text(msg, chars):
             return prepare.token_ids(*args)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, prepare.token_ids, *args)
@@ -318,48 +318,35 @@ class Frontend:
             await self._send(client, to_failure(msg.rid, e))
 
     async def _admit(self, msg: tt.Generate, entry: Entry) -> None:
-        """The one path of every request, health generations included (same counters)."""
-        chars = 0
-
-        def screen() -> None:  # NOTE: the cheap limits, before any slow work
-            nonlocal chars
-            chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
-            if msg.tool_choice is not None:
-                tool_choice.force(msg, self.tokenizer)
-
-        params = self.core.admit(msg, entry, screen)
-        try:
-            limits.check_stop(params, self.config)
-        except EngineError as e:
-            self.core.fail(msg.rid, e)
-            raise
-        if _needs_pool(msg, chars) or params.constrained:
+        """The one path of every request, health generations included (tokenizer_proc/
+        admission.py: the same as the in-process engine's and OfflineEngine's)."""
+        admitted = self.admission.admit(msg, entry)
+        if self.admission.pooled(msg, admitted):
             # NOTE: a task, not awaited: the client loop goes on reading every other client's
             # frames while the pool works (awaiting it here stalled all clients, ~0.7 s per
             # 1M-character prompt; a 190 KB schema's compile check 0.36-0.65 s).
-            self._spawn(self._admit_pooled(msg, entry, params, chars))
+            self._spawn(self._admit_pooled(msg, entry, admitted))
             return
         try:
-            ids = prepare.token_ids(*self._token_args(msg))
+            ids = self.admission.token_ids(msg, admitted.params)
         except Exception as e:
-            error = _typed(msg.rid, e)
-            self.core.fail(msg.rid, error)
-            raise error from e
-        self._forward(msg, entry, ids, params)
+            raise self.admission.fail(msg.rid, e) from e
+        self._forward(msg, entry, ids, admitted.params)
 
-    async def _admit_pooled(self, msg: tt.Generate, entry: Entry, params: Any, chars: int) -> None:
+    async def _admit_pooled(self, msg: tt.Generate, entry: Entry, admitted: Admitted) -> None:
         try:
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._pool, _checked_token_ids, params, *self._token_args(msg)
+                self._pool, self.admission.token_ids, msg, admitted.params
             )
         except Exception as e:
             if self.core.table.get(msg.rid) is entry:
-                await self._deliver(self.core.fail(msg.rid, _typed(msg.rid, e)), entry)
+                error = self.admission.fail(msg.rid, e)
+                await self._deliver(to_failure(msg.rid, error), entry)
             return
         finally:
-            self._trimmer.saw(4 * chars)  # NOTE: up to 4 bytes per character
+            self._trimmer.saw(4 * admitted.chars)  # NOTE: up to 4 bytes per character
         if self.core.table.get(msg.rid) is entry:  # NOTE: else it was ended meanwhile
-            self._forward(msg, entry, ids, params)
+            self._forward(msg, entry, ids, admitted.params)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` beside the loops, held until it ends: the event loop keeps only a weak
@@ -368,9 +355,6 @@ class Frontend:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _token_args(self, msg: tt.Generate) -> tuple[Any, ...]:
-        return (msg, self.tokenizer, self.core.limits.vocab_size, self.core.limits.max_context)
 
     def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
         if not self.core.forwarded(msg.rid, entry):
@@ -467,27 +451,6 @@ async def _wait_event(event: threading.Event, done: asyncio.Event) -> None:
     while not event.is_set():
         await asyncio.sleep(0.2)
     done.set()
-
-
-def _checked_token_ids(params: Any, *args: Any) -> list[int]:
-    """On the pool: the request's constraint compiled (refused with its field), then its ids."""
-    constraints.check(params)
-    return prepare.token_ids(*args)
-
-
-def _needs_pool(msg: tt.Generate, chars: int) -> bool:
-    # NOTE: every string counts (a huge value outside `content` templates as slowly), and each
-    # message costs the template a loop turn.
-    work = chars + 64 * len(msg.messages or ())
-    return msg.input_ids is None and work >= INLINE_CHARS
-
-
-def _typed(rid: str, error: Exception) -> EngineError:
-    if isinstance(error, EngineError):
-        return error
-    # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
-    log.error("rid=%s tokenization failed", rid, exc_info=error)
-    return EngineError(f"{type(error).__name__}: {error}")
 
 
 def _bad_frame_failure(frame: bytes, error: Exception) -> tc.Failure:

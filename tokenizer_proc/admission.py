@@ -1,0 +1,97 @@
+"""The one admission of every request: the tokenizer process's front door, the in-process engine
+and `OfflineEngine` all call it, so a limit added here holds for all three (they had three copies
+of this order, free to drift apart).
+
+In order: `admit` runs the front door's checks (engine state, rid, the client's fair share), the
+cheap input limits (`limits.check_generate`; a forced tool call's grammar), the sampling
+parameters and the stop-string limits, every refusal counted by the core; then `token_ids`, on
+the caller's thread or a pool (`pooled`), compiles a constraint and tokenizes (the chat template),
+the prompt checked against the model's vocabulary and context. A failure after `admit` goes
+through `fail`, which takes the request out of the core's table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engine import constraints
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.messages.to_tokenizer import Generate
+from engine.sampling_params import SamplingParams
+from tokenizer_proc import limits, prepare, tool_choice
+from tokenizer_proc.core import FrontDoor
+from tokenizer_proc.requests import Entry
+
+log = logging.getLogger("tokenizer")
+
+# NOTE: short inputs tokenize in tens of microseconds; a thread hop would cost more than it saves.
+INLINE_CHARS = 2048
+
+
+@dataclass(frozen=True)
+class Admitted:
+    params: SamplingParams
+    chars: int  # characters of prompt text (messages and tools included), for `pooled`
+
+
+class Admission:
+    def __init__(self, core: FrontDoor, config: EngineConfig, tokenizer: Any) -> None:
+        """`tokenizer`: None where every prompt comes as token ids (`OfflineEngine`)."""
+        self.core, self.config, self.tokenizer = core, config, tokenizer
+
+    def admit(self, msg: Generate, entry: Entry) -> Admitted:
+        """Admitted into the core's table, or the typed error that refused it (counted)."""
+        chars = 0
+
+        def screen() -> None:  # NOTE: the cheap limits, before any slow work
+            nonlocal chars
+            chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
+            if msg.tool_choice is not None:
+                tool_choice.force(msg, self.tokenizer)
+
+        params = self.core.admit(msg, entry, screen)
+        try:
+            limits.check_stop(params, self.config)
+        except EngineError as e:
+            self.core.fail(msg.rid, e)
+            raise
+        return Admitted(params, chars)
+
+    def pooled(self, msg: Generate, admitted: Admitted) -> bool:
+        """Whether `token_ids` is slow enough for a worker thread: long text, many messages, or
+        a constraint to compile (a 190 KB schema: 0.36-0.65 s)."""
+        return slow_text(msg, admitted.chars) or admitted.params.constrained
+
+    def token_ids(self, msg: Generate, params: SamplingParams) -> list[int]:
+        """The prompt's token ids (its constraint compiled first); `InvalidRequest` naming the
+        field, or whatever the tokenizer raised (`fail` types it)."""
+        if params.constrained:
+            constraints.check(params)
+        limit = self.core.limits
+        return prepare.token_ids(msg, self.tokenizer, limit.vocab_size, limit.max_context)
+
+    def fail(self, rid: str, error: Exception) -> EngineError:
+        """An admitted request failed before the scheduler took it: out of the table, counted;
+        the typed error for its caller."""
+        error = typed(rid, error)
+        self.core.fail(rid, error)
+        return error
+
+
+def slow_text(msg: Generate, chars: int) -> bool:
+    """Text slow to tokenize: many characters, or many messages."""
+    # NOTE: every string counts (a huge value outside `content` templates as slowly), and each
+    # message costs the template a loop turn.
+    work = chars + 64 * len(msg.messages or ())
+    return msg.input_ids is None and work >= INLINE_CHARS
+
+
+def typed(rid: str, error: Exception) -> EngineError:
+    if isinstance(error, EngineError):
+        return error
+    # NOTE: as in the scheduler: an unexpected failure fails this request alone, typed.
+    log.error("rid=%s tokenization failed", rid, exc_info=error)
+    return EngineError(f"{type(error).__name__}: {error}")
