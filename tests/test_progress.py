@@ -1,0 +1,141 @@
+"""Long work on a terminal draws a live bar; anywhere else it logs a line every few seconds and
+writes no control character (engine/progress.py)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pty
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import TextIO
+
+import pytest
+
+from engine import progress as progress_module
+from engine.progress import Progress
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Screen:
+    """What a pseudo-terminal's reader received, read as it comes (a full terminal buffer would
+    block the writer)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.chunks: list[bytes] = []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except OSError:  # NOTE: EIO once the writing side is closed
+                return
+            if not chunk:
+                return
+            self.chunks.append(chunk)
+
+    def text(self, stream: TextIO) -> str:
+        stream.close()
+        self.thread.join(5)
+        return b"".join(self.chunks).decode()
+
+
+@pytest.fixture
+def terminal() -> Iterator[tuple[TextIO, Screen]]:
+    """(the writing side of a pseudo-terminal, what its reader received)."""
+    reader, writer = pty.openpty()
+    stream = os.fdopen(writer, "w")
+    try:
+        yield stream, Screen(reader)
+    finally:
+        if not stream.closed:
+            stream.close()
+        os.close(reader)
+
+
+def _drawn(terminal: tuple[TextIO, Screen]) -> str:
+    stream, screen = terminal
+    return screen.text(stream)
+
+
+def _log(caplog: pytest.LogCaptureFixture) -> logging.Logger:
+    caplog.set_level(logging.INFO, logger="test.progress")
+    return logging.getLogger("test.progress")
+
+
+def test_on_a_terminal_a_bar_is_redrawn_in_place(terminal, caplog):
+    stream = terminal[0]
+    progress = Progress(_log(caplog), "convert x.gguf", 4_100_000_000, "B", stream=stream)
+    for _ in range(10):
+        progress.step(410_000_000)
+        time.sleep(progress_module.REDRAW_S)
+    progress.finish()
+    drawn = _drawn(terminal)
+    bars = drawn.split("\r\x1b[K")
+    assert len(bars) >= 5 and "\n" not in drawn, repr(drawn)
+    assert re.fullmatch(r"convert x\.gguf \[#+\.*\] +\d+% [\d.]+ of 4\.1 GB, \d+ s", bars[-2])
+    assert bars[-1] == "", "the bar is erased when done"
+    # NOTE: on a terminal the bar replaces the periodic lines; the time is logged when done
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [lines[-1]] and re.fullmatch(r"convert x\.gguf: 4\.1 GB in [\d.]+ s", lines[0])
+
+
+def test_redraws_are_throttled(terminal, caplog):
+    stream = terminal[0]
+    progress = Progress(_log(caplog), "warm-up", 10**9, "step shapes", stream=stream)
+    while progress.seconds < 1.0:
+        progress.step()
+    steps, seconds = progress.n, progress.close()
+    draws = _drawn(terminal).count("warm-up [")
+    assert steps > 1000 and 1 <= draws <= 2 + seconds / progress_module.REDRAW_S, (draws, steps)
+
+
+def test_not_a_terminal_gets_log_lines_and_no_control_characters(caplog):
+    stream = io.StringIO()
+    progress = Progress(_log(caplog), "warm-up", 1000, "step shapes", every_s=0.05, stream=stream)
+    for _ in range(1000):
+        progress.step()
+        time.sleep(0.0002)
+    progress.finish()
+    assert stream.getvalue() == "", "nothing drawn where no one watches"
+    lines = [r.getMessage() for r in caplog.records]
+    assert 2 <= len(lines) < 100, lines
+    assert all(re.fullmatch(r"warm-up: \d+ of 1000 step shapes, \d+ s", x) for x in lines[:-1])
+    assert re.fullmatch(r"warm-up: 1000 step shapes in [\d.]+ s", lines[-1]), lines
+
+
+def test_a_log_line_on_the_terminal_erases_the_bar_first(terminal):
+    stream = terminal[0]
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    log = logging.getLogger("test.progress.line")
+    log.setLevel(logging.INFO)
+    try:
+        with Progress(log, "loading m", 10, "groups", stream=stream) as progress:
+            progress.step()
+            log.warning("something to say")
+            progress.step()
+    finally:
+        root.removeHandler(handler)
+    drawn = _drawn(terminal)
+    # NOTE: the line starts at column 0 of an erased line, not after the bar
+    assert "\r\x1b[Ksomething to say\r\n\r\x1b[Kloading m [" in drawn, repr(drawn)
+    assert handler.filters == [], "the bar's filter leaves with the bar"
+
+
+def test_an_early_stop_says_how_far_it_got(caplog):
+    progress = Progress(_log(caplog), "warm-up", 40, "step shapes", stream=io.StringIO())
+    progress.step(12)
+    progress.finish()
+    assert re.fullmatch(
+        r"warm-up: 12 of 40 step shapes in [\d.]+ s", caplog.records[-1].getMessage()
+    )
