@@ -139,3 +139,30 @@ def test_an_early_stop_says_how_far_it_got(caplog):
     assert re.fullmatch(
         r"warm-up: 12 of 40 step shapes in [\d.]+ s", caplog.records[-1].getMessage()
     )
+
+
+@pytest.mark.parametrize("directory", ["tiny_weights_dir", "tiny_model_dir"])
+def test_the_model_load_reports_bytes_read_and_its_time(request, directory, caplog, monkeypatch):
+    """The load reads the parameters group by group, a progress step each (both of the
+    scheduler's paths: with a tokenizer through mlx-lm's load, weights only)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from engine import models
+    from scheduler_proc.model_loader import load_for_scheduler
+
+    model_dir = request.getfixturevalue(directory)
+    monkeypatch.setattr(models, "LOAD_GROUP_BYTES", 64 << 10)
+    monkeypatch.setattr(models, "LOAD_LOG_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="models")
+    net, _ = load_for_scheduler(str(model_dir))
+    lines = [r.getMessage() for r in caplog.records if r.name == "models"]
+    assert len(lines) >= 3, lines
+    assert all(re.fullmatch(r"loading model: \d+ of \d+ [kMG]B, \d+ s", x) for x in lines[:-1])
+    assert re.fullmatch(r"loading model: \d+ [kMG]B in [\d.]+ s", lines[-1]), lines
+    # NOTE: the same parameters mlx-lm's eager load gives
+    eager, _ = load_model(model_dir)
+    ours, theirs = dict(tree_flatten(net.parameters())), dict(tree_flatten(eager.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
