@@ -8,9 +8,12 @@ import logging
 import os
 import pty
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 import pytest
@@ -166,3 +169,32 @@ def test_the_model_load_reports_bytes_read_and_its_time(request, directory, capl
     ours, theirs = dict(tree_flatten(net.parameters())), dict(tree_flatten(eager.parameters()))
     assert ours.keys() == theirs.keys()
     assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+
+
+def _convert(src: Path, out: Path, stderr: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "engine.cli", "convert", str(src), "--out", str(out)]
+    root = Path(__file__).resolve().parents[1]  # NOTE: this checkout's engine, not an installed one
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, cwd=root, timeout=50)
+
+
+def test_convert_on_a_terminal_draws_a_bar_and_in_a_pipe_logs_lines(tmp_path):
+    """`mlx-engine convert`: stdout is the directory alone; stderr a bar on a terminal, plain
+    lines (what, and how long it took) anywhere else."""
+    from gguf_writer import hf_weights, write_llama_gguf
+
+    src = write_llama_gguf(tmp_path / "m.gguf", hf_weights())
+    reader, writer = pty.openpty()
+    screen = Screen(reader)
+    try:
+        done = _convert(src, tmp_path / "on-terminal", writer)
+        drawn = screen.text(os.fdopen(writer, "w"))
+    finally:
+        os.close(reader)
+    assert done.returncode == 0 and done.stdout.decode().strip() == str(tmp_path / "on-terminal")
+    assert "\r\x1b[Kconverting m.gguf [" in drawn, repr(drawn)
+    assert re.search(r"converted m\.gguf in [\d.]+ s", drawn), repr(drawn)
+    logged = _convert(src, tmp_path / "in-a-pipe", subprocess.PIPE)
+    assert logged.returncode == 0, logged.stderr[-2000:]
+    text = logged.stderr.decode()
+    assert re.search(r"converted m\.gguf in [\d.]+ s", text) and "\r" not in text, repr(text)
+    assert "\x1b" not in text
