@@ -60,7 +60,7 @@ class Progress:
             if self._closed:
                 return
             now = time.monotonic()
-            if self.bar and now >= self._next_draw:
+            if self.bar and (self.n or self.total) and now >= self._next_draw:
                 self._next_draw = now + REDRAW_S
                 self._draw(now)
             elif not self.bar and now >= self._next_log and self.n < self.total:
