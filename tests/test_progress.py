@@ -152,12 +152,12 @@ def test_the_model_load_reports_bytes_read_and_its_time(request, directory, capl
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
-    from engine import models
+    from engine import parameters
     from scheduler_proc.model_loader import load_for_scheduler
 
     model_dir = request.getfixturevalue(directory)
-    monkeypatch.setattr(models, "LOAD_GROUP_BYTES", 64 << 10)
-    monkeypatch.setattr(models, "LOAD_LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(parameters, "GROUP_BYTES", 64 << 10)
+    monkeypatch.setattr(parameters, "LOG_EVERY_S", 0.0)
     caplog.set_level(logging.INFO, logger="models")
     net, _ = load_for_scheduler(str(model_dir))
     lines = [r.getMessage() for r in caplog.records if r.name == "models"]
@@ -198,3 +198,25 @@ def test_convert_on_a_terminal_draws_a_bar_and_in_a_pipe_logs_lines(tmp_path):
     text = logged.stderr.decode()
     assert re.search(r"converted m\.gguf in [\d.]+ s", text) and "\r" not in text, repr(text)
     assert "\x1b" not in text
+
+
+def test_dequantizing_for_the_cpu_reports_progress(tiny_weights_dir, caplog, monkeypatch):
+    """The CPU path's dequantize (4 s of SmolLM2-135M's 5 s load on this CPU) reports too."""
+    import mlx.nn as nn
+    from mlx_lm.utils import load_model
+
+    from engine import parameters
+    from engine.cpu_dequantize import dequantize_model
+
+    net, _ = load_model(tiny_weights_dir)
+    nn.quantize(net, group_size=32, bits=4)
+    monkeypatch.setattr(parameters, "GROUP_BYTES", 64 << 10)
+    monkeypatch.setattr(parameters, "LOG_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="engine.cpu_dequantize")
+    dequantize_model(net)
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.cpu_dequantize"]
+    assert len(lines) >= 3, lines
+    assert all(
+        re.fullmatch(r"dequantizing for the CPU: \d+ of \d+ MB, \d+ s", x) for x in lines[:-1]
+    )
+    assert re.fullmatch(r"dequantizing for the CPU: \d+ MB in [\d.]+ s", lines[-1]), lines
