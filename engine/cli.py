@@ -82,10 +82,15 @@ def supervisor_conf(name: str, log_dir: Path, startsecs: int, **options: Any) ->
 def convert(src: str | None, out: Path | None, gguf_file: str | None) -> None:
     """Convert a GGUF file, or a Hugging Face GGUF repository ORG/NAME[@REVISION] (default: the
     embedded SmolLM2-135M), to an MLX model directory; prints the directory."""
+    import logging
+
     from engine import hub
     from engine.errors import ModelError
     from engine.models import convert_to_mlx
 
+    # NOTE: what it does and how long it took on stderr (a bar there on a terminal); stdout holds
+    # only the directory, for scripts.
+    logging.basicConfig(stream=sys.stderr, level="INFO", format="%(asctime)s %(message)s")
     try:
         path = Path(src) if src is not None else None
         if src is not None and hub.is_hub_name(src):

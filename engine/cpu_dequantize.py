@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from engine import parameters
 from engine.config import ON_OFF_AUTO, EngineConfig
 from engine.cpu_backend import BackendInfo, backend_info
 from engine.memory import weights_bytes
@@ -56,7 +57,7 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     model.update_modules(tree_unflatten(swaps))
     # NOTE: norms and scales may be float16; a float16 activation would miss the BLAS path.
     model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    parameters.evaluate(model, log, "dequantizing for the CPU")
     return model
 
 

@@ -9,6 +9,7 @@ per-layer quantization inferred from shapes) and rebuild the tokenizer (see `eng
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -21,6 +22,11 @@ import mlx.core as mx
 from engine.errors import ModelError
 from engine.gguf_check import check_gguf
 from engine.gguf_tokenizer import write_tokenizer
+from engine.progress import Progress
+from engine.safetensors_out import write_safetensors
+
+log = logging.getLogger("gguf")
+LOG_EVERY_S = 5.0
 
 GGUF_MAGIC = b"GGUF"
 GGUF_GROUP_SIZE = 32  # every GGUF quant type MLX loads (Q4_0, Q4_1, Q8_0) uses blocks of 32
@@ -122,7 +128,7 @@ def convert_gguf(src: Path, out: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         write_tokenizer(meta, staging)
-        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+        _write_weights(staging / "model.safetensors", weights, src.name)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if out.exists():
             out.rmdir()
@@ -131,6 +137,13 @@ def convert_gguf(src: Path, out: Path) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _write_weights(path: Path, weights: dict[str, mx.array], name: str) -> None:
+    """model.safetensors, a progress step per tensor (each converted as it is written)."""
+    total = sum(w.nbytes for w in weights.values())
+    with Progress(log, f"converting {name}", total, "B", LOG_EVERY_S) as progress:
+        write_safetensors(path, weights, {"format": "mlx"}, progress.step)
 
 
 def _check_output_dir(out: Path) -> None:

@@ -2,7 +2,8 @@
 vllm-mlx all take one).
 
 Resolved through huggingface_hub, so its cache (`HF_HOME`, `HF_HUB_CACHE`), `HF_TOKEN` and
-`HF_HUB_OFFLINE` work as everywhere else; a download shows huggingface_hub's progress bars. Only
+`HF_HUB_OFFLINE` work as everywhere else; a download reports its progress (engine/progress.py: a
+bar on a terminal, a line every LOG_EVERY_S in a log) and logs its size and time. Only
 what a model directory needs is fetched (configs, safetensors weights, tokenizer files), never a
 repository's other formats. A GGUF repository gives its one `.gguf` file, or the one named by
 `--gguf-file`, which the caller converts (engine/models.py). Every failure is a `ModelError`
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import re
-import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ModelError
+from engine.progress import Progress
 
 # NOTE: ORG/NAME as the Hub spells repository ids, an optional @REVISION (branch, tag, commit)
 NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?")
@@ -76,42 +77,67 @@ def resolve(model: str, gguf_file: str | None = None) -> Path:
 def _snapshot(repo: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
-    bar = _bar_class()
-    return Path(snapshot_download(repo, revision=revision, allow_patterns=PATTERNS, tqdm_class=bar))
+    with _reported(f"download {repo}") as bar:
+        return Path(
+            snapshot_download(repo, revision=revision, allow_patterns=PATTERNS, tqdm_class=bar)
+        )
 
 
 def _file(repo: str, name: str, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(repo, name, revision=revision, tqdm_class=_bar_class()))
+    with _reported(f"download {name}") as bar:
+        return Path(hf_hub_download(repo, name, revision=revision, tqdm_class=bar))
 
 
-def _bar_class() -> Any:
-    """huggingface_hub's own bars on a terminal; in a log (a service, a file), a line every few
-    seconds instead of a bar redrawn in place."""
-    return None if sys.stderr.isatty() else log_bar()
+@contextmanager
+def _reported(what: str) -> Iterator[Any]:
+    """A tqdm class for one download; when it ends, the bytes it wrote and its time are logged
+    (nothing when everything was cached)."""
+    shown: list[Progress] = []
+    try:
+        yield progress_bar(what, shown)
+        for progress in shown:
+            if progress.total > 0:
+                progress.finish()
+    finally:
+        for progress in shown:
+            progress.close()  # NOTE: huggingface_hub leaves some of its bars open
 
 
-def log_bar() -> Any:
-    """A tqdm that logs `Downloading: 45% 1.2G/2.7G 95MB/s` every LOG_EVERY_S, and when done."""
+def progress_bar(what: str, shown: list[Progress]) -> Any:
+    """A tqdm class for huggingface_hub: its bar of bytes written to the cache becomes a
+    `Progress` (a bar on a terminal, a line every LOG_EVERY_S in a log), added to `shown`; its
+    other bars (files fetched, bytes received over the network) are drawn nowhere, so one line
+    says how far the download got."""
     from huggingface_hub.utils import tqdm
 
-    class LogBar(tqdm):
+    class Bar(tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["bar_format"] = "{desc}: {percentage:.0f}% {n_fmt}/{total_fmt} {rate_fmt}"
-            kwargs["file"] = io.StringIO()  # NOTE: drawn nowhere; logged by `display`
-            self._logged_at = -math.inf
+            self.progress: Progress | None = None
+            name = kwargs.get("name") or ""
+            if kwargs.get("unit") == "B" and not name.endswith(".transfer"):
+                total = int(kwargs.get("total") or 0)
+                self.progress = Progress(log, what, total, "B", LOG_EVERY_S)
+                shown.append(self.progress)
+            kwargs["file"] = io.StringIO()  # NOTE: tqdm draws nowhere; `display` reports
+            if kwargs.get("disable") is None:
+                # NOTE: "auto" would turn tqdm off, its file being no terminal; off it counts
+                # nothing. HF_HUB_DISABLE_PROGRESS_BARS still turns it off (disable=True).
+                kwargs["disable"] = False
             super().__init__(*args, **kwargs)
 
         def display(self, msg: str | None = None, pos: int | None = None) -> bool:
-            now = time.monotonic()
-            done = self.total is not None and self.n >= self.total > 0
-            if now - self._logged_at >= LOG_EVERY_S or done:
-                self._logged_at = now
-                log.info("%s", self.format_meter(**self.format_dict))
+            if self.progress is not None:
+                self.progress.update(int(self.n), int(self.total or 0))
             return True
 
-    return LogBar
+        def close(self) -> None:
+            super().close()
+            if self.progress is not None:
+                self.progress.close()
+
+    return Bar
 
 
 def _single_gguf(repo: str, revision: str | None, snapshot: Path) -> Path:

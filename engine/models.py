@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import hub
+from engine import hub, parameters
 from engine.errors import ModelError
 
 log = logging.getLogger("models")
@@ -116,12 +116,23 @@ def served_name(model: str | os.PathLike | None, model_dir: Path) -> str:
 
 
 def load(model: str | os.PathLike | None) -> tuple[Any, Any]:
-    """Load (model, tokenizer) with mlx-lm from whatever `resolve_model_dir` accepts."""
+    """Load (model, tokenizer) with mlx-lm from whatever `resolve_model_dir` accepts; lazily,
+    then read from disk with progress (engine/parameters.py)."""
     from mlx_lm.utils import load as mlx_lm_load
 
     model_dir = resolve_model_dir(model)
     try:
-        net, tokenizer = mlx_lm_load(str(model_dir))[:2]
+        net, tokenizer = mlx_lm_load(str(model_dir), lazy=True)[:2]
+        parameters.evaluate(net, log, "loading model")
         return net, tokenizer
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelError(f"{model_dir}: cannot load model: {e}") from e
+
+
+def load_weights_only(model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """(model, its config.json) of a directory without a tokenizer (random test models)."""
+    from mlx_lm.utils import load_model
+
+    net, config = load_model(model_dir, lazy=True)
+    parameters.evaluate(net, log, "loading model")
+    return net, config

@@ -18,16 +18,14 @@ def load_for_scheduler(
     """(model, eos ids), dequantized per `config.cpu_dequantize` on CPU; a weights-only
     directory (random test models) needs no tokenizer."""
     from engine.cpu_dequantize import maybe_dequantize
-    from engine.models import load, resolve_model_dir
+    from engine.models import load, load_weights_only, resolve_model_dir
 
     model_dir = resolve_model_dir(model)
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
         net, tokenizer = load(str(model_dir))
         eos = sorted(tokenizer.eos_token_ids)
     else:
-        from mlx_lm.utils import load_model
-
-        net, model_config = load_model(model_dir)
+        net, model_config = load_weights_only(model_dir)
         eos = eos_ids(model_config.get("eos_token_id")) or []
     net = maybe_dequantize(net, config)
     if config is not None and config.adapter_path:  # NOTE: after dequantizing: the adapter's

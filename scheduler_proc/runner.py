@@ -249,27 +249,28 @@ class Runner:
         self._warm_lone_row()
         done = 1
         shapes = list(self._warm_shapes(budget_tokens, minimal, scores_limit))
-        progress = Progress(log, "warm-up", len(shapes) + 1, "step shapes")
-        for tokens, plan, kv_len in shapes:
-            if time.monotonic() - t0 > deadline_s:
-                log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
-                break
-            decode = tokens.shape[1] == 1
-            lone = len(plan.slots) == 1 and prefill_attention.aligned(
-                plan.starts[0], plan.width, self.long_chunk
-            )
-            view = self.pool.ragged_view(
-                plan,
-                kv_len,
-                fused=decode and self.fused_decode,
-                by_ops=self.prefill_by_ops,
-                causal=lone,
-            )
-            logits = self._forward(tokens, view, kv_len)
-            state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
-            mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
-            done += 1
-            progress.step()
+        # NOTE: closed even when a shape fails: the bar leaves the terminal, its filter the log
+        with Progress(log, "warm-up", len(shapes) + 1, "step shapes") as progress:
+            for tokens, plan, kv_len in shapes:
+                if time.monotonic() - t0 > deadline_s:
+                    log.warning("warm-up stopped after %.1f s (%d shapes)", deadline_s, done)
+                    break
+                decode = tokens.shape[1] == 1
+                lone = len(plan.slots) == 1 and prefill_attention.aligned(
+                    plan.starts[0], plan.width, self.long_chunk
+                )
+                view = self.pool.ragged_view(
+                    plan,
+                    kv_len,
+                    fused=decode and self.fused_decode,
+                    by_ops=self.prefill_by_ops,
+                    causal=lone,
+                )
+                logits = self._forward(tokens, view, kv_len)
+                state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
+                mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
+                done += 1
+                progress.step()
         self.shapes_warmed = len(self.shapes_seen)
         self.warmed = True
         return done, time.monotonic() - t0

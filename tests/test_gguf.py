@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import gguf
@@ -180,3 +182,19 @@ def test_output_directory_in_use_is_refused(tmp_path, weights):
     with pytest.raises(ModelError, match="not empty"):
         convert_gguf(src, out)
     assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_conversion_reports_progress_per_tensor(tmp_path, weights, monkeypatch, caplog):
+    """Each tensor is converted as it is written, a progress step each: with a short interval, a
+    line per tensor (but the last, whose time the caller logs), bytes written growing."""
+    monkeypatch.setattr(engine_gguf, "LOG_EVERY_S", 0.0)
+    caplog.set_level(logging.INFO, logger="gguf")
+    src = write_llama_gguf(tmp_path / "m.gguf", weights, QType.Q4_0)
+    out = convert_gguf(src, tmp_path / "out")
+    lines = [r.getMessage() for r in caplog.records if r.name == "gguf"]
+    tensors = mx.load(str(out / "model.safetensors"))
+    assert len(lines) == len(tensors) - 1, lines
+    found = [re.fullmatch(r"converting m\.gguf: (\d+) of (\d+) kB, \d+ s", x) for x in lines]
+    assert all(found), lines
+    written = [int(m[1]) for m in found if m]
+    assert written == sorted(written) and written[-1] <= int(found[0][2]), lines

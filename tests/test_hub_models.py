@@ -5,11 +5,15 @@ through `resolve_model_dir` and a launched engine."""
 from __future__ import annotations
 
 import logging
+import os
+import pty
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from engine_harness import LaunchedEngine, free_port
@@ -121,16 +125,70 @@ def test_convert_takes_a_hugging_face_gguf_repository(hub_cache, tmp_path):
     assert (Path(done.stdout.strip()) / "config.json").is_file()
 
 
+def _download_bars(what: str, shown: list) -> tuple[Any, Any, Any]:
+    """The three bars snapshot_download makes, made as it makes them (huggingface_hub 1.x+):
+    files fetched, bytes received, bytes written."""
+    from huggingface_hub.utils.tqdm import _create_progress_bar
+
+    from engine import hub
+
+    bar = hub.progress_bar(what, shown)
+    level = logging.WARNING
+    files = _create_progress_bar(cls=bar, log_level=level, total=3, desc="Fetching 3 files")
+    name = "huggingface_hub.snapshot_download"
+    received = _create_progress_bar(
+        cls=bar, log_level=level, name=f"{name}.transfer", total=0, unit="B", unit_scale=True
+    )
+    written = _create_progress_bar(
+        cls=bar, log_level=level, name=name, total=0, unit="B", unit_scale=True
+    )
+    return files, received, written
+
+
 def test_a_download_in_a_log_is_a_line_every_few_seconds(caplog, monkeypatch):
-    """On a terminal huggingface_hub draws its bars; in a log, a line every LOG_EVERY_S."""
+    """Not on a terminal: the bytes written, a line every LOG_EVERY_S, and when done its size
+    and time; the other bars say nothing."""
     from engine import hub
 
     caplog.set_level(logging.INFO, logger="hub")
     monkeypatch.setattr(hub, "LOG_EVERY_S", 0.05)
-    bar = hub.log_bar()(total=1000, desc="Downloading", unit="B", unit_scale=True)
-    for _ in range(100):
-        bar.update(10)
+    shown: list = []
+    files, received, written = _download_bars("download org/m", shown)
+    for i in range(100):
+        if i % 50 == 0:  # NOTE: the total grows as each file's download starts
+            written.total += 500_000
+        written.update(10_000)
+        received.update(10_000)
         time.sleep(0.003)
-    bar.close()
+    files.update(3)
+    for bar in (files, received, written):
+        bar.close()
+    for progress in shown:
+        progress.finish()
     lines = [r.getMessage() for r in caplog.records]
-    assert 2 <= len(lines) < 40 and lines[-1].startswith("Downloading: 100% 1.00k/1.00k"), lines
+    assert len(shown) == 1 and 2 <= len(lines) < 40, lines
+    assert all(re.fullmatch(r"download org/m: \d+ of \d+ [kM]B, \d+ s", x) for x in lines[:-1])
+    assert re.fullmatch(r"download org/m: 1 MB in [\d.]+ s", lines[-1]), lines
+
+
+def test_a_download_on_a_terminal_is_one_bar(monkeypatch):
+    """On a terminal one bar, the bytes written (huggingface_hub's own would be three)."""
+    reader, writer = pty.openpty()
+    stream = os.fdopen(writer, "w")
+    os.set_blocking(reader, False)
+    monkeypatch.setattr(sys, "stderr", stream)
+    try:
+        files, received, written = _download_bars("download org/m", [])
+        written.total = 2_000_000
+        received.total = 2_000_000
+        for _ in range(4):
+            written.update(500_000)
+            received.update(500_000)
+            time.sleep(0.25)
+        drawn = os.read(reader, 65536).decode()
+    finally:
+        monkeypatch.undo()
+        stream.close()
+        os.close(reader)
+    assert drawn.startswith("\r\x1b[Kdownload org/m [") and "Fetching" not in drawn, repr(drawn)
+    assert re.search(r"\] +\d+% [\d.]+ of 2 MB", drawn), repr(drawn)
