@@ -127,10 +127,6 @@ def remove_adapter(model: nn.Module) -> int:
     return len(base)
 
 
-def has_adapter(model: nn.Module) -> bool:
-    return any(_base_of(m) is not None for _, m in model.named_modules())
-
-
 def _adapter_dir(path: str) -> Path:
     directory = Path(path).expanduser()
     missing = [f for f in ADAPTER_FILES if not (directory / f).is_file()]

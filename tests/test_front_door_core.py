@@ -111,7 +111,7 @@ def test_metrics_observe_a_request_timeline():
     d.on_chunk(tc.Chunk("r", token_ids=[1]))
     d.on_chunk(tc.Chunk("r", token_ids=[2, 3]))
     d.on_chunk(tc.Chunk("r", finish_reason="length", prompt_tokens=1, completion_tokens=3))
-    text = d.render_metrics({"kv_tokens_in_use": 3, "kv_tokens_free": 5}).decode()
+    text = d.metrics.render(d.stats({"kv_tokens_in_use": 3, "kv_tokens_free": 5})).decode()
     samples = {
         s.name + str(sorted(s.labels.items())): s.value
         for f in text_string_to_metric_families(text)

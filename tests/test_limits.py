@@ -1,4 +1,4 @@
-"""Input limits with clear errors (issue 11): every limit is an InvalidRequest (or Overloaded)
+"""Input limits with clear errors: every limit is an InvalidRequest (or Overloaded)
 naming the field and the option, answered to the right rid, and the engine keeps serving."""
 
 from __future__ import annotations

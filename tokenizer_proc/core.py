@@ -257,10 +257,6 @@ class FrontDoor:
         self.counters["requests_rejected"] += 1
         return to_failure(rid, error)
 
-    def cancel(self, rid: str) -> None:
-        """The caller went away while its request was being tokenized: forget the request."""
-        self.table.pop(rid)
-
     def forwarded(self, rid: str, entry: Entry) -> bool:
         """Tokenized: True when it goes to the scheduler now, False when an abort came first
         (the request is then over; the caller sends it its terminal abort chunk)."""
@@ -354,9 +350,6 @@ class FrontDoor:
         if "kv_tokens_in_use" in stats:
             stats["kv_tokens_total"] = stats["kv_tokens_in_use"] + stats.get("kv_tokens_free", 0)
         return stats
-
-    def render_metrics(self, scheduler: dict[str, float]) -> bytes:
-        return self.metrics.render(self.stats(scheduler))
 
 
 def paused_detail(pause: ops.PauseGeneration) -> str:
