@@ -1,7 +1,7 @@
 """The Python SDK: `EngineClient` and `AsyncEngineClient`.
 
 Both talk to an engine through a transport: the ZeroMQ `Transport` to a launched engine, or an
-`InProcessEngine` (engine.inprocess: its own transport) for tests and benchmarks; same methods.
+`InProcessEngine` (mlx_engine.inprocess: its own transport) for tests and benchmarks; same methods.
 Every error is a typed exception from engine.errors; a dead engine raises `EngineDead`.
 """
 

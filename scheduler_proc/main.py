@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -35,6 +35,8 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
 from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
 from engine.wire_errors import to_failure
+from scheduler_proc.loop_rules import ABORT_SETTLE_S, HEARTBEAT_S, IDLE_CLEAR_S, IDLE_WAIT_S
+from scheduler_proc.startup import load_model, scheduler_facts
 
 if TYPE_CHECKING:  # NOTE: imported at run time only after the BLAS set-up (see _create)
     from scheduler_proc.scheduler import Scheduler
@@ -43,13 +45,6 @@ if TYPE_CHECKING:
     from engine.distributed import RankPlan
 
 log = logging.getLogger("scheduler")
-
-HEARTBEAT_S = 0.5
-IDLE_WAIT_S = 0.05
-IDLE_CLEAR_S = 1.0
-# NOTE: after the grace period every request is aborted; a scheduler that still has not reported
-# them all by then is stuck, and the loop gives up waiting (terminal outputs are synthesized).
-ABORT_SETTLE_S = 5.0
 
 
 def run(
@@ -86,43 +81,6 @@ def _create(
     scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
     facts = scheduler_facts(model_dir, scheduler, config, times)
     return SchedulerLoop(scheduler, endpoints, orphaned, model_dir), facts
-
-
-def load_model(config: EngineConfig) -> tuple[Path, Any, list[int], tuple[float, float]]:
-    """(model dir, model, eos ids, (seconds to find or fetch it, seconds to load it))."""
-    from engine.models import resolve_model_dir
-    from scheduler_proc.model_loader import load_for_scheduler
-
-    t0 = time.monotonic()
-    model_dir = resolve_model_dir(config.model, config.gguf_file)
-    t1 = time.monotonic()
-    model, eos = load_for_scheduler(str(model_dir), config)
-    t2 = time.monotonic()
-    log.info("model %s loaded in %.1f s (found or fetched in %.1f s)", model_dir, t2 - t1, t1 - t0)
-    return model_dir, model, eos, (t1 - t0, t2 - t1)
-
-
-def scheduler_facts(
-    model_dir: Path, scheduler: Scheduler, config: EngineConfig, times: tuple[float, float]
-) -> SchedulerFacts:
-    """What the scheduler's READY tells the launcher (and through it the other processes);
-    `times`: `load_model`'s."""
-    from engine.models import served_name
-    from engine.tokenizer_loader import tokenizer_defaults
-
-    return SchedulerFacts(
-        model_dir=str(model_dir),
-        model=served_name(config.model, model_dir),
-        vocab_size=int(scheduler.vocab),
-        max_context=scheduler.max_context,
-        kv_budget_tokens=scheduler.kv_plan.budget.tokens,
-        prefix_cache_tokens=0 if scheduler.prefix is None else scheduler.kv_plan.tokens,
-        tokenizer_defaults=tokenizer_defaults(model_dir),
-        running_slots=scheduler.running.slots,
-        model_s=round(times[0], 2),
-        load_s=round(times[1], 2),
-        warm_up_s=round(scheduler.warm_up_s, 2),
-    )
 
 
 class SchedulerLoop:

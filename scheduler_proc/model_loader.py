@@ -1,7 +1,7 @@
 """The scheduler's model: loaded with mlx-lm, dequantized per the CPU policy, with its EOS ids.
 
-Used by the scheduler process and by both in-process engines (engine/inprocess.py,
-engine/offline.py): whoever runs a `Scheduler` loads its model here.
+Used by the scheduler process and by both in-process engines (mlx_engine/inprocess.py,
+mlx_engine/offline.py): whoever runs a `Scheduler` loads its model here.
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ def create_rank(
     plan.enter()  # NOTE: MLX reads its rank and hostfile from the environment
     distributed.pin_share(plan)
     setup_cpu_backend(config)  # NOTE: before anything imports mlx.core (a BLAS preload)
-    from scheduler_proc.main import load_model, scheduler_facts
     from scheduler_proc.replicated import ReplicatedLoop, RootLinks
     from scheduler_proc.scheduler import Scheduler
+    from scheduler_proc.startup import load_model, scheduler_facts
 
     # NOTE: `kill -USR1 <rank pid>` prints where every thread of a rank is (a stuck collective).
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -38,7 +38,7 @@ from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStat
 from engine.wire_errors import to_failure
 from scheduler_proc.admin import Admin
 from scheduler_proc.broadcast import Broadcast
-from scheduler_proc.main import ABORT_SETTLE_S, HEARTBEAT_S, IDLE_WAIT_S
+from scheduler_proc.loop_rules import ABORT_SETTLE_S, HEARTBEAT_S, IDLE_WAIT_S
 
 log = logging.getLogger("scheduler")
 

@@ -110,7 +110,7 @@ def main() -> None:
 
     import anthropic
 
-    from engine.bench.servers import engine_command, free_port, serve
+    from mlx_engine.bench.servers import engine_command, free_port, serve
 
     with contextlib.ExitStack() as stack:
         url = args.url

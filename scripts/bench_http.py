@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench.servers import free_port  # noqa: E402
+from mlx_engine.bench.servers import free_port  # noqa: E402
 
 
 @dataclass
@@ -158,7 +158,7 @@ def launch(args: argparse.Namespace) -> subprocess.Popen:
     from engine.errors import EngineDead
 
     zmq_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(zmq_port)]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--zmq-port", str(zmq_port)]
     cmd += ["--port", str(http_port), *shlex.split(args.engine_args)]
     cmd += ["--model", args.model] if args.model else []
     log_path = args.launch_log or tempfile.mkstemp(prefix="bench-http-", suffix=".log")[1]

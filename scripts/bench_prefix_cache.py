@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.bench.servers import float32_copy, free_port, wait_healthy  # noqa: E402
+from mlx_engine.bench.servers import float32_copy, free_port, wait_healthy  # noqa: E402
 
 
 @dataclass
@@ -153,8 +153,8 @@ def _text(rng: random.Random, words: list[str], tok: Any, n_tokens: int) -> str:
 
 
 def run_engine(model_dir: Path, tok: Any, work: Workload, args: Any, cache: bool) -> Run:
-    from engine.offline import OfflineEngine
     from engine.sampling_params import SamplingParams
+    from mlx_engine.offline import OfflineEngine
 
     name = "engine+cache" if cache else "engine"
     print(f"# running {name} ...", file=sys.stderr, flush=True)

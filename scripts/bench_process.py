@@ -135,7 +135,7 @@ class Sdk:
         self.address = address
         self._transport = None
         if address is None:
-            from engine.inprocess import InProcessEngine
+            from mlx_engine.inprocess import InProcessEngine
 
             self._transport = InProcessEngine(model)
         self.client = EngineClient(address or "", transport=self._shared())
@@ -211,7 +211,7 @@ def launch(model: str | None, log_path: str | None) -> tuple[subprocess.Popen, S
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(port)]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--zmq-port", str(port)]
     cmd += ["--port", str(http_port)]  # NOTE: not the default 30000, which may be taken
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd + (["--model", model] if model else []), stderr=log)

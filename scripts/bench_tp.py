@@ -113,7 +113,7 @@ def free_port() -> int:
 class Engine:
     def __init__(self, model: Path, tp: int, extra: list[str], log: Path) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "engine.cli", "launch", "--model", str(model)]
+        cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--model", str(model)]
         cmd += ["--zmq-port", str(self.port), "--port", str(free_port()), "--tp", str(tp), *extra]
         self.log = log
         self._log = open(log, "w")  # noqa: SIM115

@@ -27,7 +27,7 @@ def launched_engine(options: list[str], log_path: Path) -> Iterator[tuple[int, i
     """The engine launched with `options` (its log in `log_path`), once READY: (SDK port,
     HTTP port)."""
     zmq_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(zmq_port)]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--zmq-port", str(zmq_port)]
     cmd += ["--port", str(http_port), *options]
     log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,4 +1,4 @@
-"""Launch real engines (`python -m engine.cli launch`) for tests, and always clean them up."""
+"""Launch real engines (`python -m mlx_engine.cli launch`) for tests, and always clean them up."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class LaunchedEngine:
         self.log_path = log_path
         self.http_port = free_port()
         self.http = f"http://127.0.0.1:{self.http_port}"
-        cmd = [sys.executable, "-m", "engine.cli", "launch", "--zmq-port", str(self.port)]
+        cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--zmq-port", str(self.port)]
         cmd += ["--port", str(self.http_port)]
         cmd += ["--model", str(model_dir)] if model_dir is not None else []
         cmd += list(extra)

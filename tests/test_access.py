@@ -131,7 +131,7 @@ def test_a_client_cannot_abort_another_clients_request(engine):
 
 
 def test_a_non_loopback_host_without_a_key_is_refused(tmp_path):
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--host", "0.0.0.0"]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--host", "0.0.0.0"]
     env = {k: v for k, v in os.environ.items() if k != "MLX_ENGINE_API_KEY"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "--api-key" in r.stderr and "0.0.0.0" in r.stderr, r.stderr
@@ -151,7 +151,7 @@ class _Kept:
 
 
 def test_the_in_process_engine_applies_the_same_key_rule(tiny_model_dir, monkeypatch):
-    from engine.inprocess import InProcessEngine
+    from mlx_engine.inprocess import InProcessEngine
 
     monkeypatch.delenv("MLX_ENGINE_API_KEY", raising=False)
     transport = InProcessEngine(str(tiny_model_dir), api_key=KEY, max_total_tokens=4096)

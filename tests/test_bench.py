@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from engine.bench.client import RequestResult, Target, request_body
-from engine.bench.metrics import percentile, summarize
-from engine.bench.workload import (
+from mlx_engine.bench.client import RequestResult, Target, request_body
+from mlx_engine.bench.metrics import percentile, summarize
+from mlx_engine.bench.workload import (
     jsonl_workload,
     multiturn_workload,
     parse_range,
@@ -90,7 +90,7 @@ def test_bench_against_a_tiny_engine_and_mlx_lm(tiny_model_dir, tmp_path):
     """The CLI end to end: our engine launched with a small pool and mlx_lm.server beside it,
     the same workload through the one client, all three outputs written."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "engine.cli", "bench", "--model", str(tiny_model_dir)]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "bench", "--model", str(tiny_model_dir)]
     cmd += ["--launch-args", "--max-total-tokens 2048 --context-length 256"]
     cmd += ["--compare", "mlx-lm", "--concurrency", "1,2", "--num-requests", "4"]
     cmd += ["--input-len", "4:8", "--output-len", "5", "--out", str(out), "--no-progress"]
@@ -121,8 +121,8 @@ def test_bench_against_a_tiny_engine_and_mlx_lm(tiny_model_dir, tmp_path):
 def test_plot_of_a_single_load_level(tmp_path):
     """A level with no answered request (then: all of it counted as the cold wave) crashed the
     plot's log axis, and, as the plot came first, lost the table and JSON too."""
-    from engine.bench.client import Load
-    from engine.bench.report import EngineResult, Level, plot
+    from mlx_engine.bench.client import Load
+    from mlx_engine.bench.report import EngineResult, Level, plot
 
     level = Level(Load(16), summarize([]))
     plot(tmp_path / "one.png", [EngineResult("a", levels=[level])], "t")
@@ -136,8 +136,8 @@ def test_plot_of_a_single_load_level(tmp_path):
 )
 def test_compare_starts_the_peers_asked_for(compare, peers, tiny_model_dir):
     """`mlx-lm-env`: only mlx_lm.server in the engine's environment (the shipped one is slow)."""
-    from engine.bench import run
     from engine.cpu_backend import BackendInfo
+    from mlx_engine.bench import run
 
     cfg = run.BenchConfig(model=str(tiny_model_dir), compare=compare).validate()
     started = list(run._servers(cfg, BackendInfo(blas="OpenBLAS", optimized=True)))

@@ -16,7 +16,7 @@ from engine_harness import LaunchedEngine, bounded, reference_greedy  # noqa: F4
 import engine.client as client_module
 from engine.client import AsyncEngineClient, EngineClient
 from engine.errors import EngineError, InvalidRequest, ProtocolMismatch
-from engine.inprocess import InProcessEngine
+from mlx_engine.inprocess import InProcessEngine
 
 TIMEOUT = 60.0
 pytestmark = pytest.mark.usefixtures("bounded")

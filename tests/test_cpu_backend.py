@@ -248,8 +248,8 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
     ignored and weights were dequantized whenever 'auto' said so."""
     import shutil
 
-    from engine.inprocess import InProcessEngine
     from engine.random_model import TOKENIZER_FILES
+    from mlx_engine.inprocess import InProcessEngine
 
     model_dir = tmp_path / "q4"
     shutil.copytree(q4_dir, model_dir)
@@ -264,7 +264,7 @@ def test_engine_honours_cpu_dequantize(deq, q4_dir, default_model_dir, tmp_path,
 
 OFFLINE_AS_README = """
 import json, sys
-from engine.offline import OfflineEngine
+from mlx_engine.offline import OfflineEngine
 from engine.cpu_backend import backend_info
 from engine.cpu_dequantize import is_quantized
 eng = OfflineEngine(sys.argv[1], max_total_tokens=4096, context_length=256)
@@ -277,7 +277,7 @@ eng.close()
 
 @pytest.mark.skipif(not HAS_OPENBLAS, reason="no OpenBLAS installed (scripts/_env.sh installs it)")
 def test_offline_engine_as_the_readme_writes_it_gets_the_fast_cpu_path(q4_dir: Path) -> None:
-    """`from engine.offline import OfflineEngine` first: optimized BLAS and float32 weights."""
+    """`from mlx_engine.offline import OfflineEngine` first: optimized BLAS and float32 weights."""
     argv = [sys.executable, "-c", OFFLINE_AS_README, str(q4_dir)]
     proc = subprocess.run(
         argv, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=120

@@ -98,7 +98,7 @@ def test_launch_serves_a_model_by_its_hugging_face_name(hub_cache, tmp_path):
 
 
 def test_launch_of_a_missing_model_fails_fast_and_says_why(hub_cache):
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--model", "org/missing"]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--model", "org/missing"]
     cmd += ["--zmq-port", str(free_port()), "--port", str(free_port())]
     t0 = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -114,7 +114,7 @@ def test_convert_takes_a_hugging_face_gguf_repository(hub_cache, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "mlx_engine.cli",
         "convert",
         "org/tiny-gguf",
         "--out",

@@ -6,7 +6,7 @@ import pytest
 
 from engine.client import EngineClient
 from engine.errors import EngineDead
-from engine.inprocess import InProcessEngine
+from mlx_engine.inprocess import InProcessEngine
 
 
 def test_a_crashed_loop_fails_waiting_calls_and_spares_the_mlx_thread(tiny_model_dir):

@@ -166,7 +166,7 @@ def test_the_launcher_exits_after_every_process_it_started(tiny_model_dir, tmp_p
     """Run the launcher under a subreaper: whatever it started and left behind (the resource
     tracker of multiprocessing was one) is re-parented to the subreaper instead of vanishing."""
     port = free_port()
-    launch = [sys.executable, "-m", "engine.cli", "launch", "--model", str(tiny_model_dir)]
+    launch = [sys.executable, "-m", "mlx_engine.cli", "launch", "--model", str(tiny_model_dir)]
     launch += ["--zmq-port", str(port), "--shutdown-grace", "1", *SMALL_POOL]
     wrapper = subprocess.run(
         [sys.executable, "-c", SUBREAPER, json.dumps(launch)],

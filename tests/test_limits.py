@@ -13,10 +13,10 @@ from engine_harness import LaunchedEngine, bounded  # noqa: F401
 from engine.client import EngineClient
 from engine.config import EngineConfig
 from engine.errors import EngineDead, InvalidRequest, Overloaded
-from engine.inprocess import InProcessEngine
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.sampling_params import SamplingParams
+from mlx_engine.inprocess import InProcessEngine
 from tokenizer_proc import limits
 
 pytestmark = pytest.mark.usefixtures("bounded")

@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 import engine.models as models
-from engine.cli import main
 from engine.config import EngineConfig
 from engine.errors import ModelError
+from mlx_engine.cli import main
 
 
 def test_convert_without_source_converts_the_default_model_once(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 from scheduler_util import reference_greedy, tiny_model
 
 from engine.errors import InvalidRequest
-from engine.offline import OfflineEngine
+from mlx_engine.offline import OfflineEngine
 
 
 def _prompts(n: int, vocab: int = 49152) -> list[list[int]]:

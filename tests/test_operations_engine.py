@@ -20,8 +20,8 @@ from engine_harness import LaunchedEngine, reference_greedy
 from engine import control_token
 from engine.client import EngineClient
 from engine.errors import InvalidRequest, Paused
-from engine.inprocess import InProcessEngine
 from engine.random_model import TINY_LLAMA, make_random_model
+from mlx_engine.inprocess import InProcessEngine
 
 STREAMS = 16
 LONG = 160  # NOTE: long enough that every stream is mid-decode when the operation comes

@@ -212,7 +212,7 @@ def test_everything_stays_within_the_budget(budget, running, slot_bytes):
 
 
 def test_offline_results_report_cached_tokens(tiny_weights_dir):
-    from engine.offline import OfflineEngine
+    from mlx_engine.offline import OfflineEngine
 
     prompt = random_prompt(random.Random(6), 40)
     config = dict(max_total_tokens=4 * 256, context_length=256, max_running_requests=2)

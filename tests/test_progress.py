@@ -172,7 +172,7 @@ def test_the_model_load_reports_bytes_read_and_its_time(request, directory, capl
 
 
 def _convert(src: Path, out: Path, stderr: int) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "engine.cli", "convert", str(src), "--out", str(out)]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "convert", str(src), "--out", str(out)]
     root = Path(__file__).resolve().parents[1]  # NOTE: this checkout's engine, not an installed one
     return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=stderr, cwd=root, timeout=50)
 

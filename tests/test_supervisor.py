@@ -52,7 +52,15 @@ class Supervised:
         options += ["--shutdown-grace", str(GRACE_S), "--max-total-tokens", "32768"]
         options += ["--context-length", "4096", "--name", "engine", "--log-dir", str(tmp)]
         section = subprocess.run(
-            [sys.executable, "-m", "engine.cli", "supervisor-conf", *options, "--startsecs", "3"],
+            [
+                sys.executable,
+                "-m",
+                "mlx_engine.cli",
+                "supervisor-conf",
+                *options,
+                "--startsecs",
+                "3",
+            ],
             capture_output=True,
             text=True,
             check=True,

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from engine.config import EngineConfig
-from engine.launch import EXIT_SLACK_S, TEARDOWN_S
-from engine.supervisor_conf import launch_command, program_section
+from mlx_engine.launch import EXIT_SLACK_S, TEARDOWN_S
+from mlx_engine.supervisor_conf import launch_command, program_section
 
 
 def _section(text: str) -> dict[str, str]:
@@ -21,13 +21,13 @@ def _section(text: str) -> dict[str, str]:
 
 def test_the_section_runs_launch_with_the_options_given(tmp_path):
     options = f"--name engine --log-dir {tmp_path} --zmq-port 31001 --shutdown-grace 20"
-    cmd = [sys.executable, "-m", "engine.cli", "supervisor-conf", *options.split()]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "supervisor-conf", *options.split()]
     out = subprocess.run(
         [*cmd, "--disable-overlap"], capture_output=True, text=True, check=True
     ).stdout
     section = _section(out)
     args = shlex.split(section["command"])
-    assert args[:4] == [sys.executable, "-m", "engine.cli", "launch"]
+    assert args[:4] == [sys.executable, "-m", "mlx_engine.cli", "launch"]
     assert args[4:] == ["--zmq-port", "31001", "--disable-overlap", "--shutdown-grace", "20.0"]
     assert int(section["stopwaitsecs"]) > 20 + EXIT_SLACK_S + TEARDOWN_S
     assert section["stopsignal"] == "TERM"

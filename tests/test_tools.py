@@ -14,8 +14,8 @@ from tool_model import ANSWER
 
 from engine.client import AsyncEngineClient, EngineClient
 from engine.errors import InvalidRequest
-from engine.inprocess import InProcessEngine
 from engine.tokenizer_loader import load_tokenizer
+from mlx_engine.inprocess import InProcessEngine
 from tokenizer_proc.tool_calls import ToolCallStream
 
 pytestmark = pytest.mark.usefixtures("bounded")

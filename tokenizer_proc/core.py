@@ -2,7 +2,7 @@
 ownership, the health rule, health generation's verdict, and stats.
 
 The ZMQ endpoint and the HTTP API (tokenizer_proc.frontend, tokenizer_proc.http_api) and the
-in-process engine (engine.inprocess) all drive this one object; they move bytes, it decides.
+in-process engine (mlx_engine.inprocess) all drive this one object; they move bytes, it decides.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from engine.bench.client import RequestResult
+from mlx_engine.bench.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 

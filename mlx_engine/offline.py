@@ -8,7 +8,7 @@ from typing import Any
 from engine.cpu_backend import setup_cpu_backend
 
 # NOTE: before this module imports mlx.core (through the scheduler): on Linux CPU the optimized
-# BLAS only takes effect when loaded first, so `from engine.offline import OfflineEngine` as the
+# BLAS only takes effect when loaded first, so `from mlx_engine.offline import OfflineEngine` as the
 # first import gets the same fast path as a launched engine (a warning says when it is too late).
 setup_cpu_backend(None, log_line=False)
 

@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.bench import servers
-from engine.bench.client import Load, Target, run_load
-from engine.bench.metrics import summarize
-from engine.bench.report import EngineResult, Level, plot, table, write_json
-from engine.bench.workload import (
+from mlx_engine.bench import servers
+from mlx_engine.bench.client import Load, Target, run_load
+from mlx_engine.bench.metrics import summarize
+from mlx_engine.bench.report import EngineResult, Level, plot, table, write_json
+from mlx_engine.bench.workload import (
     Workload,
     jsonl_workload,
     multiturn_workload,

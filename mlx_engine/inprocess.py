@@ -26,7 +26,7 @@ from tokenizer_proc.admission import Admission
 from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
 from tokenizer_proc.requests import Entry
 
-log = logging.getLogger("engine.inprocess")
+log = logging.getLogger("mlx_engine.inprocess")
 
 IDLE_WAIT_S = 0.05
 OWNER = "inprocess"  # NOTE: every client of one in-process transport shares it (one process)

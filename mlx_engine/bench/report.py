@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.bench.client import Load
-from engine.bench.metrics import Summary
+from mlx_engine.bench.client import Load
+from mlx_engine.bench.metrics import Summary
 
 
 @dataclass

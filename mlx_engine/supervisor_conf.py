@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.launch import EXIT_SLACK_S, TEARDOWN_S
 from engine.models import engine_home
+from mlx_engine.launch import EXIT_SLACK_S, TEARDOWN_S
 
 # NOTE: beyond the launcher's own worst case (grace + exit slack + teardown), so supervisord's
 # SIGKILL only ever lands on an engine that is truly stuck.
@@ -19,8 +19,8 @@ STOP_MARGIN_S = 10
 
 
 def launch_command(config: EngineConfig) -> list[str]:
-    """`python -m engine.cli launch` with every option that differs from its default."""
-    args = [sys.executable, "-m", "engine.cli", "launch"]
+    """`python -m mlx_engine.cli launch` with every option that differs from its default."""
+    args = [sys.executable, "-m", "mlx_engine.cli", "launch"]
     for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
         if value == f.default:

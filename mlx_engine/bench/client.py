@@ -2,7 +2,7 @@
 
 Time to first token is stamped on both sides at the same place: when the first chunk with
 non-empty text arrives here; inter-token latency is per request, from the first to the last text
-(engine/bench/metrics.py).
+(mlx_engine/bench/metrics.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from engine.bench.workload import Session, Workload
+from mlx_engine.bench.workload import Session, Workload
 
 
 @dataclass

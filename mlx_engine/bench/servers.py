@@ -74,7 +74,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def engine_command(model: str | None, launch_args: Sequence[str], port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "engine.cli", "launch", "--port", str(port)]
+    cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--port", str(port)]
     cmd += ["--zmq-port", str(free_port())]
     return cmd + (["--model", model] if model else []) + list(launch_args)
 
