@@ -23,7 +23,7 @@ from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, tool_calls
 from tokenizer_proc.admission import Admission
-from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
+from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("mlx_engine.inprocess")
@@ -133,7 +133,7 @@ class InProcessEngine:
         self.detok = Detokenizer(self.tokenizer)
         slots = self.sched.running.slots
         self.core = FrontDoor(
-            limits_for(
+            door_settings(
                 self.config,
                 (
                     served_name(self.config.model, model_dir),

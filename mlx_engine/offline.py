@@ -18,7 +18,7 @@ from engine.results import GenerateResult, StreamChunk  # noqa: E402
 from scheduler_proc.model_loader import load_for_scheduler  # noqa: E402
 from scheduler_proc.scheduler import Scheduler  # noqa: E402
 from tokenizer_proc.admission import Admission  # noqa: E402
-from tokenizer_proc.core import FrontDoor, limits_for  # noqa: E402
+from tokenizer_proc.core import FrontDoor, door_settings  # noqa: E402
 from tokenizer_proc.requests import Entry  # noqa: E402
 
 
@@ -37,7 +37,7 @@ class OfflineEngine:
         name = served_name(self.config.model, model_dir)
         facts = (name, int(sched.vocab), sched.max_context, sched.running.slots)
         # NOTE: the launched engine's admission (limits, counters), token ids only: no tokenizer
-        self.core = FrontDoor(limits_for(self.config, facts))
+        self.core = FrontDoor(door_settings(self.config, facts))
         self.admission = Admission(self.core, self.config, None)
         self._ids = itertools.count()
 

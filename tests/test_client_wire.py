@@ -172,7 +172,7 @@ def test_a_tokenizer_crash_fails_the_request_and_frees_its_slot(tmp_path):
     from engine.config import EngineConfig
     from engine.ipc import Endpoints
     from engine.messages import to_tokenizer as tt
-    from tokenizer_proc.frontend import Frontend
+    from tokenizer_proc.server import TokenizerServer
 
     class Crashing:
         bos_token = None
@@ -187,7 +187,9 @@ def test_a_tokenizer_crash_fails_the_request_and_frees_its_slot(tmp_path):
     replies = []
 
     async def scenario():
-        frontend = Frontend(config, Endpoints.create(config, tmp_path), Crashing(), facts, print)
+        frontend = TokenizerServer(
+            config, Endpoints.create(config, tmp_path), Crashing(), facts, print
+        )
 
         async def record(client, msg):
             replies.append(msg)

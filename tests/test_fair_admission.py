@@ -37,7 +37,7 @@ from engine.protocol import PROTOCOL_VERSION
 from engine.sampling_params import SamplingParams
 from scheduler_proc.request import Req
 from scheduler_proc.waiting import WaitingQueue
-from tokenizer_proc.core import FrontDoor, Limits, limits_for, peer_client
+from tokenizer_proc.core import DoorSettings, FrontDoor, door_settings, peer_client
 from tokenizer_proc.requests import Entry
 
 pytestmark = pytest.mark.timeout(120)
@@ -97,7 +97,7 @@ def test_remove_and_iteration_and_no_state_left_behind():
 
 
 def _door(capacity: int = 32, cap: int = 0) -> FrontDoor:
-    return FrontDoor(Limits("m", 100, 64, capacity, client_cap=cap))
+    return FrontDoor(DoorSettings("m", 100, 64, capacity, client_cap=cap))
 
 
 def _admit(d: FrontDoor, rid: str, client: str | None) -> None:
@@ -144,7 +144,7 @@ def test_the_static_cap_and_requests_outside_fairness():
 
 def test_limits_count_the_schedulers_rows_and_the_share():
     config = EngineConfig(max_queued_requests=100, client_share=0.5)
-    limits = limits_for(config, ("m", 100, 64, 28))
+    limits = door_settings(config, ("m", 100, 64, 28))
     assert limits.max_in_flight == 128 and limits.client_cap == 64
 
 
@@ -166,13 +166,13 @@ def test_with_client_keys_the_key_is_the_client(tmp_path):
     path.write_text("# clients\nalice sk-alice-0001\n\nsk-anon-00002  # a key without a name\n")
     keys = api_keys.load(path)
     assert keys == {"sk-alice-0001": "alice", "sk-anon-00002": "key-4"}
-    d = FrontDoor(Limits("m", 100, 64, 8, api_key="owner-key-01", client_keys=keys))
+    d = FrontDoor(DoorSettings("m", 100, 64, 8, api_key="owner-key-01", client_keys=keys))
     assert d.client_of("sk-alice-0001", "peer:127.0.0.1") == "key:alice"
     assert d.client_of("owner-key-01", "sdk:00ab") == "key:owner"
     assert d.key_ok("sk-anon-00002") and not d.key_ok("sk-wrong-000")
     # NOTE: only the owner's key controls the engine
     assert d.control_ok("owner-key-01") and not d.control_ok("sk-alice-0001")
-    one_key = FrontDoor(Limits("m", 100, 64, 8, api_key="owner-key-01"))
+    one_key = FrontDoor(DoorSettings("m", 100, 64, 8, api_key="owner-key-01"))
     assert one_key.client_of("owner-key-01", "peer:127.0.0.1") == "peer:127.0.0.1"
 
 

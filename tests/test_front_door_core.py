@@ -13,12 +13,12 @@ from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.protocol import PROTOCOL_VERSION
 from tokenizer_proc import core as core_module
-from tokenizer_proc.core import FrontDoor, HealthProbe, Limits
+from tokenizer_proc.core import DoorSettings, FrontDoor, HealthProbe
 from tokenizer_proc.requests import Entry
 
 
 def door(key: str | None = None, max_in_flight: int = 2) -> FrontDoor:
-    return FrontDoor(Limits("m", 100, 64, max_in_flight, key))
+    return FrontDoor(DoorSettings("m", 100, 64, max_in_flight, key))
 
 
 def gen(rid: str, **params) -> tt.Generate:

@@ -23,21 +23,23 @@ from engine.ipc import Endpoints
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.messages.to_launcher import SchedulerFacts
-from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_api import HttpApi
+from tokenizer_proc.server import TokenizerServer
 
 
-def front_door(tmp_path: Path, **options: Any) -> Frontend:
+def front_door(tmp_path: Path, **options: Any) -> TokenizerServer:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         config = EngineConfig(zmq_port=s.getsockname()[1], **options).validate()
     facts = SchedulerFacts("", "m", vocab_size=100, max_context=64)
     # NOTE: token-id prompts never reach the tokenizer; none is needed
-    return Frontend(config, Endpoints.create(config, tmp_path), None, facts, print)
+    return TokenizerServer(config, Endpoints.create(config, tmp_path), None, facts, print)
 
 
 @contextlib.asynccontextmanager
-async def _served(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Frontend, TestClient]]:
+async def _served(
+    tmp_path: Path, **options: Any
+) -> AsyncIterator[tuple[TokenizerServer, TestClient]]:
     """A front door with its HTTP API on a test server; both closed on the way out."""
     frontend = front_door(tmp_path, **options)
     client = TestClient(TestServer(HttpApi(frontend).app))
@@ -49,7 +51,7 @@ async def _served(tmp_path: Path, **options: Any) -> AsyncIterator[tuple[Fronten
         frontend.close()
 
 
-async def _admitted(frontend: Frontend) -> str:
+async def _admitted(frontend: TokenizerServer) -> str:
     while not len(frontend.table):
         await asyncio.sleep(0.01)
     return frontend.table.rids()[0]
@@ -101,7 +103,9 @@ def test_a_caller_gone_while_its_prompt_is_tokenized_leaves_no_entry(tmp_path, t
     async def scenario() -> tuple[int, bool]:
         frontend = front_door(tmp_path)
         frontend.tokenizer = load_tokenizer(tiny_model_dir)
-        frontend.core.limits = replace(frontend.core.limits, max_context=10**6, vocab_size=49152)
+        frontend.core.settings = replace(
+            frontend.core.settings, max_context=10**6, vocab_size=49152
+        )
         try:
             msg = tt.Generate("long", prompt="word " * 100_000, params={"max_tokens": 1})
             entry = await frontend.submit(msg, ("http", "long"), "peer:127.0.0.1")

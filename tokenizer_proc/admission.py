@@ -48,7 +48,7 @@ class Admission:
 
         def screen() -> None:  # NOTE: the cheap limits, before any slow work
             nonlocal chars
-            chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
+            chars = limits.check_generate(msg, self.config, self.core.settings.max_context)
             if msg.tool_choice is not None:
                 tool_choice.force(msg, self.tokenizer)
 
@@ -70,7 +70,7 @@ class Admission:
         field, or whatever the tokenizer raised (`fail` types it)."""
         if params.constrained:
             constraints.check(params)
-        limit = self.core.limits
+        limit = self.core.settings
         return prepare.token_ids(msg, self.tokenizer, limit.vocab_size, limit.max_context)
 
     def fail(self, rid: str, error: Exception) -> EngineError:

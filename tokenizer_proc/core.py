@@ -1,7 +1,7 @@
 """The front door's core, free of I/O: the welcome, admission, the request table, aborts with
 ownership, the health rule, health generation's verdict, and stats.
 
-The ZMQ endpoint and the HTTP API (tokenizer_proc.frontend, tokenizer_proc.http_api) and the
+The ZMQ endpoint and the HTTP API (tokenizer_proc.server, tokenizer_proc.http_api) and the
 in-process engine (mlx_engine.inprocess) all drive this one object; they move bytes, it decides.
 """
 
@@ -49,7 +49,7 @@ NO_TOKEN = (
 
 
 @dataclass(frozen=True)
-class Limits:
+class DoorSettings:
     """What the front door needs to know about the engine behind it."""
 
     model: str
@@ -64,16 +64,16 @@ class Limits:
     client_keys: Mapping[str, str] = field(default_factory=dict)  # key -> client name
 
 
-def limits_for(
+def door_settings(
     config: EngineConfig, model: tuple[str, int, int, int], control_token: str | None = None
-) -> Limits:
+) -> DoorSettings:
     """The front door's limits from the config and what the scheduler reported: `model` is
     (name, vocabulary, context, running rows), the rows as --max-running-requests 0 left them
     to the KV budget."""
     name, vocab_size, max_context, slots = model
     capacity = slots + config.max_queued_requests
     keys = api_keys.load(config.api_keys_file) if config.api_keys_file else {}
-    return Limits(
+    return DoorSettings(
         model=name,
         vocab_size=vocab_size,
         max_context=max_context,
@@ -86,8 +86,8 @@ def limits_for(
 
 
 class FrontDoor:
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
+    def __init__(self, limits: DoorSettings) -> None:
+        self.settings = limits
         self.table = RequestTable()
         self.counters: Counter[str] = Counter()
         self.metrics = Metrics()
@@ -101,7 +101,7 @@ class FrontDoor:
 
     @property
     def keyed(self) -> bool:
-        return bool(self.limits.api_key or self.limits.client_keys)
+        return bool(self.settings.api_key or self.settings.client_keys)
 
     def key_ok(self, key: str | None) -> bool:
         return not self.keyed or self.key_name(key) is not None
@@ -110,12 +110,12 @@ class FrontDoor:
         """The client a key names (`api_keys.OWNER` for --api-key), None for a wrong key."""
         if key is None:
             return None
-        owner, found = self.limits.api_key, None
+        owner, found = self.settings.api_key, None
         if owner and _same(key, owner):
             found = api_keys.OWNER
         # NOTE: every key compared, in constant time, so no key can be guessed byte by byte
         # from response times.
-        for candidate, name in self.limits.client_keys.items():
+        for candidate, name in self.settings.client_keys.items():
             if _same(key, candidate):
                 found = name
         return found
@@ -123,7 +123,7 @@ class FrontDoor:
     def client_of(self, key: str | None, connection: str) -> str:
         """The unit of fair admission: the key's client where there are client keys, else the
         connection (`sdk:ID` of an SDK socket, `peer:ADDRESS` of HTTP)."""
-        name = self.key_name(key) if self.limits.client_keys else None
+        name = self.key_name(key) if self.settings.client_keys else None
         return f"key:{name}" if name is not None else connection
 
     def check_key(self, key: str | None) -> None:
@@ -135,14 +135,14 @@ class FrontDoor:
         control messages must carry it again; without one, control messages carry the owner's
         token. Hello and Ping are always answered."""
         if isinstance(msg, (tt.GetStats, tt.ShutdownEngine, ops.AdminRequest)):
-            return self.control_ok(msg.api_key) and (welcomed or not self.limits.api_key)
+            return self.control_ok(msg.api_key) and (welcomed or not self.settings.api_key)
         return not self.keyed or isinstance(msg, (tt.Hello, tt.Ping)) or welcomed
 
     def control_ok(self, key: str | None) -> bool:
         """The key of an engine with one, else the control token (when one is set)."""
-        if self.limits.api_key:
-            return key is not None and _same(key, self.limits.api_key)
-        token = self.limits.control_token
+        if self.settings.api_key:
+            return key is not None and _same(key, self.settings.api_key)
+        token = self.settings.control_token
         return not token or (key is not None and _same(key, token))
 
     def welcome(self, msg: tt.Hello) -> tc.Welcome | tc.Failure:
@@ -151,7 +151,7 @@ class FrontDoor:
             return tc.Failure(msg.rid, "protocol", text + "; use a matching mlx-engine client")
         if not self.key_ok(msg.api_key):
             return unauthorized(msg)
-        return tc.Welcome(msg.rid, PROTOCOL_VERSION, self.limits.model, self.limits.max_context)
+        return tc.Welcome(msg.rid, PROTOCOL_VERSION, self.settings.model, self.settings.max_context)
 
     # --- health ---------------------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class FrontDoor:
             self._check_share(entry.client)
             if screen is not None:
                 screen()
-            params = SamplingParams.parse(msg.params, self.limits.vocab_size)
+            params = SamplingParams.parse(msg.params, self.settings.vocab_size)
         except EngineError:
             self.counters["requests_rejected"] += 1
             raise
@@ -225,7 +225,7 @@ class FrontDoor:
             raise Paused("generation is paused by the operator; retry after it continues")
         if not isinstance(rid, str) or not rid or rid in self.table:
             raise InvalidRequest("rid", f"must be a unique non-empty id, got {rid!r}")
-        if len(self.table) >= self.limits.max_in_flight:
+        if len(self.table) >= self.settings.max_in_flight:
             raise Overloaded(f"{len(self.table)} requests in flight; retry later")
 
     def _check_share(self, client: str | None) -> None:
@@ -234,8 +234,8 @@ class FrontDoor:
         counted) takes the reserve meant for those below it."""
         if client is None:
             return
-        held, cap = self.table.count(client), self.limits.max_in_flight
-        if held >= (self.limits.client_cap or cap):
+        held, cap = self.table.count(client), self.settings.max_in_flight
+        if held >= (self.settings.client_cap or cap):
             raise Overloaded(
                 f"this client has {held} requests in flight, its share of admission "
                 "(--client-share); retry later"

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API, on the front door's asyncio loop beside the ZMQ endpoint.
 
 aiohttp serves it (docs/http_api.md says why); every request goes through the same front door
-(`Frontend.submit`, the core's admission, table and counters) as an SDK request. A client that
+(`TokenizerServer.submit`, the core's admission, table and counters) as an SDK request. A client that
 disconnects, mid-stream or while waiting for a whole response, has its request aborted.
 """
 
@@ -35,7 +35,6 @@ from tokenizer_proc import (
     responses_api,
 )
 from tokenizer_proc.core import peer_client
-from tokenizer_proc.frontend import Frontend
 from tokenizer_proc.http_errors import (
     BodyTooLarge,
     BodyTooSlow,
@@ -52,6 +51,7 @@ from tokenizer_proc.replies import (
     ResponsesReply,
     stream_choices,
 )
+from tokenizer_proc.server import TokenizerServer
 
 log = logging.getLogger("tokenizer.http")
 
@@ -74,7 +74,7 @@ MALFORMED_HTTP = _MalformedHttp()
 
 
 class HttpApi:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: TokenizerServer) -> None:
         self.fe = frontend
         self.core = frontend.core
         self.tokenizer = frontend.tokenizer
@@ -185,7 +185,7 @@ class HttpApi:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         body = await _json_body(request, self.fe.config)
-        facts = self.core.limits
+        facts = self.core.settings
         rid = f"http-{uuid.uuid4().hex}"
         req = openai_api.parse(kind, body, rid, facts.max_context, facts.model)
         echo = await self._echo(req)
@@ -204,7 +204,7 @@ class HttpApi:
         if gen.prompt is not None:
             return gen.prompt
         ids = gen.input_ids or []
-        return await self.fe.detokenize(ids) if len(ids) <= self.core.limits.max_context else ""
+        return await self.fe.detokenize(ids) if len(ids) <= self.core.settings.max_context else ""
 
     async def _serve(
         self,
@@ -262,7 +262,7 @@ class HttpApi:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, self.fe.config)
-        facts = self.core.limits
+        facts = self.core.settings
         rid = f"http-{uuid.uuid4().hex}"
         req = responses_api.parse(body, rid, facts.model, facts.max_context)
         reply = ResponsesReply(req, self.tokenizer)
@@ -272,7 +272,7 @@ class HttpApi:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, self.fe.config)
-        req = anthropic_api.parse(body, f"http-{uuid.uuid4().hex}", self.core.limits.model)
+        req = anthropic_api.parse(body, f"http-{uuid.uuid4().hex}", self.core.settings.model)
         reply = MessagesReply(req, self.tokenizer)
         return await self._serve(request, req.generate, ANTHROPIC_NAMES, reply, req.stream)
 
@@ -288,18 +288,18 @@ class HttpApi:
         body = await _json_body(request, self.fe.config)
         msg, generation_prompt = openai_api.parse_tokenize(body)
         ids = await self.fe.tokenize(msg, generation_prompt)
-        reply = {"count": len(ids), "max_model_len": self.core.limits.max_context, "tokens": ids}
+        reply = {"count": len(ids), "max_model_len": self.core.settings.max_context, "tokens": ids}
         return json_response(msgspec.json.encode(reply))
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await _json_body(request, self.fe.config)
-        ids = openai_api.parse_detokenize(body, self.core.limits.vocab_size)
+        ids = openai_api.parse_detokenize(body, self.core.settings.vocab_size)
         text = await self.fe.detokenize(ids)
         return json_response(msgspec.json.encode({"prompt": text}))
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.core.limits.model:
+        if name != self.core.settings.model:
             body = error_body(f"no model {name!r} here", "invalid_request_error", "model", None)
             return json_response(body, 404)
         return json_response(msgspec.json.encode(self._model_object()))
@@ -310,11 +310,11 @@ class HttpApi:
 
     def _model_object(self) -> dict[str, Any]:
         return {
-            "id": self.core.limits.model,
+            "id": self.core.settings.model,
             "object": "model",
             "created": 0,
             "owned_by": "mlx-engine",
-            "max_model_len": self.core.limits.max_context,
+            "max_model_len": self.core.settings.max_context,
         }
 
     # --- health and metrics ---------------------------------------------------------------------

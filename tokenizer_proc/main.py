@@ -1,4 +1,4 @@
-"""The tokenizer process: the only process clients talk to (see tokenizer_proc.frontend)."""
+"""The tokenizer process: the only process clients talk to (see tokenizer_proc.server)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ def run(config: EngineConfig, endpoints: Endpoints, parent_pid: int, facts: Sche
 async def _serve(
     me: child.Child, config: EngineConfig, endpoints: Endpoints, facts: SchedulerFacts
 ) -> None:
-    from tokenizer_proc.frontend import Frontend
     from tokenizer_proc.http_api import HttpApi
+    from tokenizer_proc.server import TokenizerServer
 
     with me.starting():
         tokenizer = load_tokenizer(facts.model_dir, facts.tokenizer_defaults)
-        frontend = Frontend(config, endpoints, tokenizer, facts, me.send_launcher_shutdown)
+        frontend = TokenizerServer(config, endpoints, tokenizer, facts, me.send_launcher_shutdown)
         # NOTE: bound while starting, so a port in use is a start-up failure the launcher reports.
         http = HttpApi(frontend)
         await http.start(config.host, config.port)

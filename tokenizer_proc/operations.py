@@ -1,7 +1,7 @@
 """The front door's side of operating a running engine (engine/messages/admin.py): each call is a
 round trip to the scheduler, answered by its `AdminDone` after the outputs it waited for.
 
-Used by the SDK endpoint (tokenizer_proc/frontend.py) and the HTTP routes
+Used by the SDK endpoint (tokenizer_proc/server.py) and the HTTP routes
 (tokenizer_proc/admin_api.py) alike; what is paused is kept in the core (`FrontDoor.paused`).
 """
 

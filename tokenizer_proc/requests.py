@@ -16,11 +16,11 @@ class Entry:
 
     `owner` names the connection that sent it (a ZMQ ROUTER identity, an HTTP connection, the
     in-process transport); only its owner may abort it. A request whose replies go to a queue
-    (HTTP, health generation) has `chunks`; a ZMQ client's replies go to its identity instead.
+    (HTTP, health generation) has a `reply_queue`; a ZMQ client's replies go to its identity instead.
     """
 
     owner: Hashable | None
-    chunks: asyncio.Queue[Any] | None = None
+    reply_queue: asyncio.Queue[Any] | None = None
     # NOTE: the unit of fair admission (an API key's client, an HTTP peer address, an SDK
     # connection); None for requests outside it (health generations, the in-process engine)
     client: str | None = None
@@ -36,8 +36,8 @@ class Entry:
 
     def replies(self) -> asyncio.Queue[Any]:
         """The queue of a request whose replies go to one (HTTP, health generation)."""
-        assert self.chunks is not None, "a ZMQ client's replies go to its ROUTER identity"
-        return self.chunks
+        assert self.reply_queue is not None, "a ZMQ client's replies go to its ROUTER identity"
+        return self.reply_queue
 
 
 class RequestTable:

@@ -35,7 +35,7 @@ from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
 from tokenizer_proc import limits, prepare, tool_calls
 from tokenizer_proc.admission import INLINE_CHARS, Admission, Admitted, slow_text
-from tokenizer_proc.core import FrontDoor, HealthProbe, limits_for, paused_detail, unauthorized
+from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
 from tokenizer_proc.operations import Operations
 from tokenizer_proc.requests import Entry
@@ -49,7 +49,7 @@ YIELD_EVERY_S = 0.005
 _CLIENT_TYPES = {cls.__name__: cls for cls in tt.FromClient.__args__}
 
 
-class Frontend:
+class TokenizerServer:
     def __init__(
         self,
         config: EngineConfig,
@@ -62,7 +62,7 @@ class Frontend:
         self.tokenizer = tokenizer
         slots = facts.running_slots or config.max_running_requests
         self.core = FrontDoor(
-            limits_for(
+            door_settings(
                 config,
                 (facts.model, facts.vocab_size, facts.max_context, slots),
                 control_token=os.environ.get(control_token.ENV),
@@ -147,15 +147,15 @@ class Frontend:
         """Admit, tokenize and forward one request of `client` (the unit of fair admission)
         whose replies go to the returned entry's queue (HTTP); raises the typed error that
         refused it."""
-        entry = Entry(owner, chunks=asyncio.Queue(), client=client)
+        entry = Entry(owner, reply_queue=asyncio.Queue(), client=client)
         await self._admit(msg, entry)
         return entry
 
     async def tokenize(self, msg: tt.Generate, generation_prompt: bool = True) -> list[int]:
         """The prompt tokens `msg` would take (chat template applied), however long: the same
         limits on its size as a request's, the tokenizer pool for long ones."""
-        chars = limits.check_generate(msg, self.config, self.core.limits.max_context)
-        args = (msg, self.tokenizer, self.core.limits.vocab_size, sys.maxsize, generation_prompt)
+        chars = limits.check_generate(msg, self.config, self.core.settings.max_context)
+        args = (msg, self.tokenizer, self.core.settings.vocab_size, sys.maxsize, generation_prompt)
         if not slow_text(msg, chars):
             return prepare.token_ids(*args)
         loop = asyncio.get_running_loop()
@@ -176,7 +176,7 @@ class Frontend:
         if self.core.paused is not None:  # NOTE: no generation runs until the operator says so
             return False, paused_detail(self.core.paused)
         probe = HealthProbe()
-        entry = Entry(None, chunks=asyncio.Queue())
+        entry = Entry(None, reply_queue=asyncio.Queue())
         try:
             await self._admit(probe.request(), entry)
         except EngineError as e:
@@ -410,8 +410,8 @@ class Frontend:
             self.done.set()
 
     async def _deliver(self, msg: tc.Chunk | tc.Failure, entry: Entry) -> None:
-        if entry.chunks is not None:
-            entry.chunks.put_nowait(msg)
+        if entry.reply_queue is not None:
+            entry.reply_queue.put_nowait(msg)
             return
         if entry.tools is not None and isinstance(msg, tc.Chunk):
             msg = tool_calls.split_calls(entry.tools, msg)
