@@ -21,21 +21,19 @@ import zmq
 
 from engine import child
 from engine.config import EngineConfig
-from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
 from engine.messages.admin import AdminCommand
 from engine.messages.to_client import Chunk
 from engine.messages.to_detokenizer import (
-    Register,
     SchedulerExited,
     StepOutputs,
     ToDetokenizer,
 )
 from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
-from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
-from engine.wire_errors import to_failure
-from scheduler_proc.loop_rules import ABORT_SETTLE_S, HEARTBEAT_S, IDLE_CLEAR_S, IDLE_WAIT_S
+from engine.messages.to_tokenizer import Heartbeat, SchedulerStats
+from scheduler_proc import loop_rules
+from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_CLEAR_S, IDLE_WAIT_S, Draining
 from scheduler_proc.startup import load_model, scheduler_facts
 
 if TYPE_CHECKING:  # NOTE: imported at run time only after the BLAS set-up (see _create)
@@ -99,8 +97,7 @@ class SchedulerLoop:
         self.inbox: PullQueue[ToScheduler] = PullQueue(ctx, endpoints.scheduler, ToScheduler)
         self.outbox: PushQueue[ToDetokenizer] = PushQueue(ctx, endpoints.detokenizer, ToDetokenizer)
         self.admin = Admin(scheduler, scheduler.config, model_dir, self.outbox.put)
-        self.drain_at: float | None = None
-        self.aborted_at: float | None = None
+        self.drain = Draining()
         self._last_tick = 0.0
         self._idle_since: float | None = None
 
@@ -132,11 +129,7 @@ class SchedulerLoop:
     def _should_exit(self) -> bool:
         if self.orphaned.is_set():
             return True
-        if self.drain_at is None:
-            return False
-        if self.aborted_at is not None and time.monotonic() > self.aborted_at + ABORT_SETTLE_S:
-            return True
-        return not self.sched.in_flight() and not self.sched.has_work()
+        return bool(self.drain.exit_reason(self.sched, time.monotonic()))
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
@@ -165,40 +158,15 @@ class SchedulerLoop:
             self._begin_drain(msg.grace)
 
     def _submit(self, msg: TokenizedRequest) -> None:
-        # NOTE: Register goes first on the same socket as the outputs, so the detokenizer always
-        # knows a request's stop strings before its first token.
-        self.outbox.put(Register(msg.rid, list(msg.params.stop)))
-        try:
-            if self.drain_at is not None:
-                raise ShuttingDown("the engine is shutting down")
-            # NOTE: the front door checked prompt and params against this scheduler's facts.
-            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True, client=msg.client)
-        except EngineError as e:
-            self._refuse(msg.rid, e)
-        except Exception as e:  # NOTE: one bad request never takes the scheduler down
-            log.exception("rid=%s submit failed", msg.rid)
-            self._refuse(msg.rid, EngineError(f"{type(e).__name__}: {e}"))
-
-    def _refuse(self, rid: str, error: EngineError) -> None:
-        log.info("rid=%s refused: %s", rid, error)
-        self.outbox.put(RequestFailed(to_failure(rid, error)))
+        loop_rules.submit(self.sched, msg, self.drain.active, self.outbox.put)
 
     def _begin_drain(self, grace: float) -> None:
-        if self.drain_at is None:
-            n = len(self.sched.in_flight())
-            log.info("draining: %d running request(s), grace %.1fs", n, grace)
-            self.drain_at = time.monotonic() + grace
+        if self.drain.begin(grace, len(self.sched.in_flight())):
             self.admin.on_drain()
 
     def _enforce_drain(self) -> None:
-        if self.drain_at is None or self.aborted_at is not None:
-            return
-        live = self.sched.in_flight()
-        if time.monotonic() >= self.drain_at and live:
-            log.info("grace period over; aborting %d request(s)", len(live))
-            for rid in live:
-                self.sched.abort(rid)
-            self.aborted_at = time.monotonic()
+        for rid in self.drain.due(self.sched, time.monotonic()):
+            self.sched.abort(rid)
 
     def _send(self, outputs: list[Chunk]) -> None:
         if outputs:

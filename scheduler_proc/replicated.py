@@ -27,18 +27,17 @@ import mlx.core as mx
 import zmq
 
 from engine.distributed import EXIT_FATAL, Watchdog
-from engine.errors import EngineError, ShuttingDown
 from engine.ipc import Endpoints, PullQueue, PushQueue
 from engine.messages.admin import AdminCommand
 from engine.messages.to_client import Chunk
-from engine.messages.to_detokenizer import Register, SchedulerExited, StepOutputs, ToDetokenizer
+from engine.messages.to_detokenizer import SchedulerExited, StepOutputs, ToDetokenizer
 from engine.messages.to_ranks import Exit, RankCommand
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
-from engine.messages.to_tokenizer import Heartbeat, RequestFailed, SchedulerStats
-from engine.wire_errors import to_failure
+from engine.messages.to_tokenizer import Heartbeat, SchedulerStats
+from scheduler_proc import loop_rules
 from scheduler_proc.admin import Admin
 from scheduler_proc.broadcast import Broadcast
-from scheduler_proc.loop_rules import ABORT_SETTLE_S, HEARTBEAT_S, IDLE_WAIT_S
+from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_WAIT_S, Draining
 
 log = logging.getLogger("scheduler")
 
@@ -89,8 +88,7 @@ class ReplicatedLoop:
         self.dog, self.step_timeout = watchdog, step_timeout
         self.links = links  # rank 0 only
         self.orphaned = orphaned
-        self.drain_at: float | None = None
-        self.aborted_at: float | None = None
+        self.drain = Draining()
         self.exit_posted = False
         self.iteration = 0
         self._tokens = 0  # crc of every token emitted, part of the fingerprint
@@ -174,12 +172,8 @@ class ReplicatedLoop:
         if self.exit_posted:
             return
         now = time.monotonic()
-        if self.drain_at is not None and self.aborted_at is None and now >= self.drain_at:
-            live = self.sched.in_flight()
-            log.info("grace period over; aborting %d request(s)", len(live))
-            for rid in live:
-                self.bcast.post(Abort(rid))
-            self.aborted_at = now
+        for rid in self.drain.due(self.sched, now):
+            self.bcast.post(Abort(rid))
         reason = self._exit_reason(now)
         if reason:
             self.bcast.post(Exit(reason))
@@ -188,13 +182,7 @@ class ReplicatedLoop:
     def _exit_reason(self, now: float) -> str:
         if self.orphaned.is_set():
             return "launcher gone"
-        if self.drain_at is None:
-            return ""
-        if self.aborted_at is not None and now > self.aborted_at + ABORT_SETTLE_S:
-            return "aborts not settled"
-        if not self.sched.in_flight() and not self.sched.has_work() and not self.bcast.busy():
-            return "drained"
-        return ""
+        return self.drain.exit_reason(self.sched, now, busy=self.bcast.busy())
 
     # -- every rank: apply the broadcast -------------------------------------------------------
     def _apply(self, cmds: list[RankCommand]) -> bool:
@@ -206,10 +194,7 @@ class ReplicatedLoop:
             elif isinstance(cmd, AdminCommand):
                 self.admin.submit(cmd)
             elif isinstance(cmd, Drain):
-                if self.drain_at is None:
-                    n = len(self.sched.in_flight())
-                    log.info("draining: %d running request(s), grace %.1fs", n, cmd.grace)
-                    self.drain_at = time.monotonic() + cmd.grace
+                if self.drain.begin(cmd.grace, len(self.sched.in_flight())):
                     self.admin.on_drain()
             elif isinstance(cmd, Exit):
                 log.info(
@@ -219,15 +204,7 @@ class ReplicatedLoop:
         return False
 
     def _submit(self, msg: TokenizedRequest) -> None:
-        # NOTE: Register before any output, on the outputs' socket (as in main.py).
-        self._tell(Register(msg.rid, list(msg.params.stop)))
-        try:
-            if self.drain_at is not None:
-                raise ShuttingDown("the engine is shutting down")
-            # NOTE: rank 0's front door checked prompt and params against the agreed facts.
-            self.sched.submit(msg.rid, msg.input_ids, msg.params, checked=True, client=msg.client)
-        except EngineError as e:
-            self._tell(RequestFailed(to_failure(msg.rid, e)))
+        loop_rules.submit(self.sched, msg, self.drain.active, self._tell)
 
     def _send(self, outputs: list[Chunk]) -> None:
         for out in outputs:
