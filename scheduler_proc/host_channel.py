@@ -54,6 +54,8 @@ class HostBroadcast:
         self._payload = b""  # rank 0: this iteration's commands, applied at finish()
         self._unsent: dict[int, memoryview] = {}  # rank 0: what a full socket did not take
         self._mine = (0, 0)  # this rank's step and fingerprint
+        self._sent: dict[int, int] = {}  # rank 0: its fingerprint of each step not yet acked
+        self._acked = dict.fromkeys(peers, 0)  # rank 0: each worker's last step checked
         self.bytes_sent = 0  # frames' payload bytes (once per frame, not per rank)
 
     def post(self, cmd: RankCommand) -> None:
@@ -70,6 +72,7 @@ class HostBroadcast:
         if self.rank != 0:
             self._send_all(0, HEADER.pack(step, fingerprint, 0))  # NOTE: 24 bytes, always room
             return
+        self._sent[step] = fingerprint
         self._payload = b"".join(self._queue)
         self._queue.clear()
         self.bytes_sent += len(self._payload)
@@ -89,14 +92,46 @@ class HostBroadcast:
         for r, rest in list(self._unsent.items()):
             self._send_all(r, rest)
         self._unsent.clear()
+        # NOTE: a worker's header of this step may still be on its way (it is sent after the
+        # worker's previous step, which may end after rank 0's): rank 0 waits only for the one
+        # before, so it never waits on a worker's host work in steady stepping, and checks
+        # this one now if it is here. A worker lags one iteration at most.
+        step = self._mine[0]
         for r in self._peers:
-            step, fp, _ = HEADER.unpack(self._recv(r, HEADER.size))
-            check_same(r, step, fp, *self._mine)
+            self._check_acks(r, step - 1, step)
+        for s in [s for s in self._sent if s <= min(self._acked.values(), default=step)]:
+            del self._sent[s]
         return decode_commands(self._codec, memoryview(self._payload))
 
     def close(self) -> None:
+        """After the last frame: rank 0 reads every header still coming, so no link closes with
+        unread bytes (that would reset it under a worker still reading its last frame)."""
+        for r in self._peers if self.rank == 0 else ():
+            self._check_acks(r, self._mine[0], self._mine[0])
         for sock in self._peers.values():
             sock.close()
+
+    def _check_acks(self, r: int, need: int, upto: int) -> None:
+        """Check worker r's headers: every one up to step `need` (waiting), then any up to
+        `upto` that already arrived."""
+        sock = self._peers[r]
+        while self._acked[r] < upto:
+            if self._acked[r] >= need and not self._ack_waiting(sock):
+                return
+            step, fp, _ = HEADER.unpack(self._recv(r, HEADER.size))
+            want = self._acked[r] + 1
+            check_same(r, step, fp, want, self._sent[want])
+            self._acked[r] = step
+
+    def _ack_waiting(self, sock: socket.socket) -> bool:
+        """Bytes (or an end of file, or an error: `_recv` raises it) to read now."""
+        try:
+            sock.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        return True
 
     def _send_some(self, r: int, frame: bytes) -> None:
         try:
