@@ -56,6 +56,7 @@ class HostBroadcast:
         self._mine = (0, 0)  # this rank's step and fingerprint
         self._sent: dict[int, int] = {}  # rank 0: its fingerprint of each step not yet acked
         self._acked = dict.fromkeys(peers, 0)  # rank 0: each worker's last step checked
+        self._inbox = {r: bytearray() for r in peers}  # rank 0: header bytes not yet checked
         self.bytes_sent = 0  # frames' payload bytes (once per frame, not per rank)
 
     def post(self, cmd: RankCommand) -> None:
@@ -98,7 +99,7 @@ class HostBroadcast:
         # this one now if it is here. A worker lags one iteration at most.
         step = self._mine[0]
         for r in self._peers:
-            self._check_acks(r, step - 1, step)
+            self._check_acks(r, step - 1)
         for s in [s for s in self._sent if s <= min(self._acked.values(), default=step)]:
             del self._sent[s]
         return decode_commands(self._codec, memoryview(self._payload))
@@ -107,31 +108,44 @@ class HostBroadcast:
         """After the last frame: rank 0 reads every header still coming, so no link closes with
         unread bytes (that would reset it under a worker still reading its last frame)."""
         for r in self._peers if self.rank == 0 else ():
-            self._check_acks(r, self._mine[0], self._mine[0])
+            if self._acked[r] < self._mine[0]:  # NOTE: else the link may be closed already
+                self._check_acks(r, self._mine[0])
         for sock in self._peers.values():
             sock.close()
 
-    def _check_acks(self, r: int, need: int, upto: int) -> None:
-        """Check worker r's headers: every one up to step `need` (waiting), then any up to
-        `upto` that already arrived."""
-        sock = self._peers[r]
-        while self._acked[r] < upto:
-            if self._acked[r] >= need and not self._ack_waiting(sock):
-                return
-            step, fp, _ = HEADER.unpack(self._recv(r, HEADER.size))
-            want = self._acked[r] + 1
-            check_same(r, step, fp, want, self._sent[want])
-            self._acked[r] = step
+    def _check_acks(self, r: int, need: int) -> None:
+        """Check every header worker r sent so far, waiting for the one of step `need`.
 
-    def _ack_waiting(self, sock: socket.socket) -> bool:
-        """Bytes (or an end of file, or an error: `_recv` raises it) to read now."""
+        NOTE: one non-blocking recv takes whatever arrived; a blocking one only when `need` has
+        not. Each syscall here costs rank 0 tens of microseconds while the step in flight
+        shares its core, so there are as few as the headers allow (one, stepping).
+        """
+        buf = self._inbox[r]
+        buf += self._read(r, block=False)
+        while True:
+            # NOTE: a worker may be one header ahead (it sends the next one as soon as it has
+            # this frame): that one waits for rank 0's own next step.
+            while len(buf) >= HEADER.size and self._acked[r] < self._mine[0]:
+                step, fp, _ = HEADER.unpack_from(buf)
+                del buf[: HEADER.size]
+                want = self._acked[r] + 1
+                check_same(r, step, fp, want, self._sent[want])
+                self._acked[r] = step
+            if self._acked[r] >= need:
+                return
+            buf += self._read(r, block=True)
+
+    def _read(self, r: int, block: bool) -> bytes:
+        """What worker r's link holds now (without `block`, maybe nothing); its end is fatal."""
         try:
-            sock.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            data = self._peers[r].recv(1 << 16, 0 if block else socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return False
-        except OSError:
-            pass
-        return True
+            return b""
+        except OSError as e:
+            raise self._lost(r, e) from e
+        if not data:
+            raise self._lost(r, None)
+        return data
 
     def _send_some(self, r: int, frame: bytes) -> None:
         try:

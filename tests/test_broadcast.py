@@ -65,6 +65,8 @@ TWO_RANKS = textwrap.dedent(
         for cmd in posts.get(step, []) if rank == 0 else []:
             bcast.post(Abort(cmd) if isinstance(cmd, str) else cmd)
         bcast.start(step, 7)
+        if step == 3 and rank == 0:
+            time.sleep(0.3)  # NOTE: a long step on rank 0: rank 1 sends step 4's header early
         applied.append([step, [c.rid for c in bcast.finish()]])
     print("APPLIED", json.dumps(applied), flush=True)
     try:
