@@ -42,7 +42,7 @@ log = logging.getLogger("scheduler")
 
 NAP_AFTER = 20  # idle iterations (~1 s) before a worker naps instead of spinning
 
-# NOTE: what every rank's scheduler must agree on after each step (stats that are pure state).
+# NOTE: what every rank's scheduler must agree on after each step (`Scheduler.state_stats`).
 FINGERPRINT_KEYS = (
     "steps_launched",
     "prefill_tokens",
@@ -229,7 +229,7 @@ class ReplicatedLoop:
             self._tell(StepOutputs(outputs))
 
     def _fingerprint(self) -> int:
-        stats = self.sched.stats()
+        stats = self.sched.state_stats()  # NOTE: not stats(): that costs ms a call
         values = [int(stats.get(k, 0)) for k in FINGERPRINT_KEYS] + [
             self._tokens,
             len(self.sched.in_flight()),

@@ -238,6 +238,19 @@ class Scheduler:
         """Most tokens (prompt + generated) of one request."""
         return self.kv_plan.context
 
+    def state_stats(self) -> dict[str, int]:
+        """The stats that are pure state (counts, no times), read cheaply: a tensor-parallel rank
+        fingerprints them every iteration (`stats()` also walks every frozen object for
+        `gc_frozen_objects`: 16-24 ms a call on a rank's core, measured)."""
+        prefix = self.kv.prefix
+        return {
+            **self._counters,
+            "running": len(self.running.reqs),
+            "waiting": len(self._waiting),
+            "kv_tokens_in_use": self.running.tokens_in_use(),
+            "prefix_cache_hit_tokens": prefix.hit_tokens if prefix is not None else 0,
+        }
+
     def stats(self) -> dict[str, int | float]:
         running = self.running.reqs
         used = self.running.tokens_in_use()

@@ -175,3 +175,33 @@ def test_topology_one_host_and_hostfile(tmp_path: Path, monkeypatch: pytest.Monk
     hostfile.write_text('["10.0.0.1"]')
     with pytest.raises(ValueError, match="ip:port"):
         topology(EngineConfig(tp_hostfile=str(hostfile)), tmp_path)
+
+
+def test_the_fingerprint_reads_the_same_state_as_stats(tiny_weights_dir):
+    """`ReplicatedLoop` fingerprints `state_stats()` (cheap) every iteration: the same values
+    as `stats()` (which walks every frozen object), through prefill, decode, an abort and a
+    prefix-cache hit."""
+    import random
+
+    from scheduler_util import make_scheduler, random_prompt
+
+    from scheduler_proc.replicated import FINGERPRINT_KEYS
+
+    sched = make_scheduler(tiny_model(tiny_weights_dir))
+    rng = random.Random(5)
+    shared = random_prompt(rng, 40)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    for i in range(3):
+        sched.submit(f"r{i}", shared + random_prompt(rng, 5), params)
+    for step in range(40):
+        if step == 2:
+            sched.abort("r1")
+        if step == 12:
+            sched.submit("late", shared + random_prompt(rng, 3), params)
+        if sched.has_work():
+            sched.step()
+        full, lean = sched.stats(), sched.state_stats()
+        assert {k: full.get(k, 0) for k in FINGERPRINT_KEYS} == {
+            k: lean.get(k, 0) for k in FINGERPRINT_KEYS
+        }, step
+    assert sched.stats()["prefix_cache_hit_tokens"] > 0 and sched.stats()["requests_aborted"] == 1
