@@ -205,3 +205,14 @@ def test_the_fingerprint_reads_the_same_state_as_stats(tiny_weights_dir):
             k: lean.get(k, 0) for k in FINGERPRINT_KEYS
         }, step
     assert sched.stats()["prefix_cache_hit_tokens"] > 0 and sched.stats()["requests_aborted"] == 1
+
+
+def test_bench_tp_frames_runs_on_the_cpu():
+    """scripts/bench_tp_frames.py (the frame path alone, both carriers) at a toy size: the GPU
+    run must not be its first run."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_tp_frames.py"
+    cmd = [sys.executable, str(script), "--iterations", "60", "--dim", "16", "--layers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"\| tcp \| \d+ \| \d+ \| \d+ \| \d+ \|", done.stdout), done.stdout
+    assert re.search(r"\| collective \| \d+ \|", done.stdout), done.stdout
