@@ -15,7 +15,7 @@ tokenizer files travel; each call at most 10 minutes, so the engine and mlx-lm i
   source .whl/b/gpu-install.sh
   NCCL_NVLS_ENABLE=0 python3 scripts/bench_tp.py --random llama-8b --random-dir /tmp/llama-8b \
       --tokenizer .tok --tp 2 --launch-args "--max-running-requests 64" --only engine \
-      --out $OUT/engine.json --log-dir $OUT/logs
+      --frames tcp,collective --out $OUT/engine.json --log-dir $OUT/logs
   (then the same with --only mlx-lm: the model in /tmp/llama-8b is reused)
 """
 
