@@ -4,8 +4,8 @@ The frames of `Broadcast` (scheduler_proc/broadcast.py), carried by the host ins
 collective. Each iteration rank 0 sends its frame (step number, state fingerprint, the commands)
 to every rank before its step, and every other rank sends its own step and fingerprint back.
 After the step each rank reads what it was sent and checks it: a worker compares rank 0's header
-with its own, rank 0 every worker's, so a drifted rank stops the ranks (`Diverged`) at the same
-iteration as on the collective path, and the commands apply at the same iteration everywhere.
+with its own at once, rank 0 every worker's (at most one frame late: see `finish`), so a drifted
+rank stops the ranks (`Diverged`), and the commands apply at the same iteration everywhere.
 
 Why beside the group rather than on it: a collective of the frame runs on the device's stream
 (NCCL on GPUs) and is waited for every iteration; here the frame sits in the host's socket
