@@ -152,6 +152,11 @@ class EngineConfig:
     tp_backend: str = _opt(
         "auto", "MLX distributed backend: auto (nccl on CUDA, else ring), ring, nccl"
     )
+    tp_frames: str = _opt(
+        "tcp",
+        "How rank 0's commands reach the other tensor-parallel ranks each iteration: tcp (a "
+        "host socket to each rank, off the device) or collective (an all_sum on the group)",
+    )
     tp_step_timeout: float = _opt(
         20.0,
         "Seconds a tensor-parallel rank may go without a step before the engine stops (longer "
@@ -236,6 +241,8 @@ class EngineConfig:
             raise ValueError("--tp-rank needs --tp-hostfile (the ranks of every host)")
         if self.tp_backend not in ("auto", "ring", "nccl"):
             raise ValueError(f"tp_backend must be auto, ring or nccl, got {self.tp_backend}")
+        if self.tp_frames not in ("tcp", "collective"):
+            raise ValueError(f"tp_frames must be tcp or collective, got {self.tp_frames}")
         if self.tp_step_timeout <= 0 or self.tp_init_timeout <= 0:
             raise ValueError("tp_step_timeout and tp_init_timeout must be > 0")
         if self.adapter_path:

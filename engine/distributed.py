@@ -104,8 +104,11 @@ def topology(config: Any, run_dir: Path) -> Topology | None:
         )
     if config.tp <= 1:
         return None
-    # NOTE: one host: every rank on the loopback, a free port each (the ring binds them all).
+    # NOTE: one host: every rank on the loopback, a free port each (the ring binds them all),
+    # and the frame channel's port after them free too.
     hosts = tuple((f"127.0.0.1:{_free_port()}",) for _ in range(config.tp))
+    while not _port_free(frame_address(hosts)[1]):
+        hosts = tuple((f"127.0.0.1:{_free_port()}",) for _ in range(config.tp))
     path = run_dir / "hostfile.json"
     path.write_text(json.dumps([list(h) for h in hosts]))
     return Topology(hosts, str(path), tuple(range(config.tp)), config.tp_backend)
@@ -123,6 +126,29 @@ def read_hostfile(path: str) -> tuple[tuple[str, ...], ...]:
     if bad or len(hosts) < 2 or not all(hosts):
         raise ValueError(f"--tp-hostfile {path}: two or more ranks, each with an ip:port {want}")
     return hosts
+
+
+def frame_address(hosts: tuple[tuple[str, ...], ...]) -> tuple[str, int]:
+    """Where rank 0 listens for the other ranks' frame channels (scheduler_proc/host_channel.py):
+    rank 0's first IP in the hostfile, one port above the hostfile's highest.
+
+    NOTE: derived, so every rank computes it from the same hostfile with no option to agree on;
+    above every port the hostfile names, so it never takes a ring port (two ranks of one host
+    are often given consecutive ports).
+    """
+    ip = hosts[0][0].rsplit(":", 1)[0]
+    return ip, 1 + max(int(a.rsplit(":", 1)[1]) for h in hosts for a in h)
+
+
+def _port_free(port: int) -> bool:
+    if port > 65535:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def _free_port() -> int:

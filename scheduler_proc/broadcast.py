@@ -9,12 +9,16 @@ NOTE: the payload length is announced one frame ahead, so a frame's shape is kno
 without a second collective; a command therefore takes effect one iteration after it was posted.
 The frame is queued (`async_eval`) before the step and read after it: it runs on the same stream
 as the model's own collectives, in the same order on every rank, between two queued steps.
+
+`--tp-frames collective` chooses this path; the default carries the same frames over host sockets
+(scheduler_proc/host_channel.py). Both are a `Channel`.
 """
 
 from __future__ import annotations
 
 import struct
 from collections import deque
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -34,7 +38,51 @@ class Diverged(RuntimeError):
     """The ranks are no longer in the same state: the engine cannot go on."""
 
 
+class Channel(Protocol):
+    """How rank 0's commands reach every rank, one frame per loop iteration."""
+
+    rank: int
+    size: int
+    bytes_sent: int
+    polls: bool  # NOTE: a worker waiting for a frame spins a core (the loop naps when idle)
+
+    def post(self, cmd: RankCommand) -> None: ...
+    def busy(self) -> bool: ...
+    def start(self, step: int, fingerprint: int) -> None: ...
+    def finish(self) -> list[RankCommand]: ...
+    def close(self) -> None: ...
+
+
+def check_same(rank: int, step: int, fp: int, step0: int, fp0: int) -> None:
+    """A rank's header against rank 0's: a different step or state is fatal."""
+    if (step, fp) != (step0, fp0):
+        raise Diverged(
+            f"rank {rank} is at step {step} with state {fp:#x}; rank 0 at step {step0} "
+            f"with state {fp0:#x}"
+        )
+
+
+def encode_command(codec: Codec[RankCommand], cmd: RankCommand) -> bytes:
+    data = codec.encode(cmd)
+    return LEN.pack(len(data)) + data
+
+
+def decode_commands(codec: Codec[RankCommand], payload: memoryview) -> list[RankCommand]:
+    """Length-prefixed commands, up to a zero length or the payload's end."""
+    cmds: list[RankCommand] = []
+    at = 0
+    while at + LEN.size <= len(payload):
+        (n,) = LEN.unpack_from(payload, at)
+        if n == 0:
+            break
+        cmds.append(codec.decode(payload[at + LEN.size : at + LEN.size + n]))
+        at += LEN.size + n
+    return cmds
+
+
 class Broadcast:
+    polls = True  # NOTE: the ring busy-polls (94 % of a core measured)
+
     def __init__(self, group: mx.distributed.Group) -> None:
         self.group = group
         self.rank, self.size = group.rank(), group.size()
@@ -47,8 +95,7 @@ class Broadcast:
 
     def post(self, cmd: RankCommand) -> None:
         """Rank 0: send `cmd` to every rank (applied by all at the same iteration)."""
-        data = self._codec.encode(cmd)
-        self._queue.append(LEN.pack(len(data)) + data)
+        self._queue.append(encode_command(self._codec, cmd))
 
     def busy(self) -> bool:
         """Rank 0: commands posted and not yet delivered (the loop must not idle)."""
@@ -79,13 +126,12 @@ class Broadcast:
         heads = [HEADER.unpack_from(data, r * HEADER.size) for r in range(self.size)]
         step0, fp0, announce = heads[0]
         for r, (step, fp, _) in enumerate(heads):
-            if (step, fp) != (step0, fp0):
-                raise Diverged(
-                    f"rank {r} is at step {step} with state {fp:#x}; rank 0 at step {step0} "
-                    f"with state {fp0:#x}"
-                )
+            check_same(r, step, fp, step0, fp0)
         self._len = announce
-        return self._decode(memoryview(data)[self.size * HEADER.size :])
+        return decode_commands(self._codec, memoryview(data)[self.size * HEADER.size :])
+
+    def close(self) -> None:
+        pass
 
     def _take(self) -> bytes:
         parts: list[bytes] = []
@@ -94,17 +140,6 @@ class Broadcast:
             parts.append(self._queue.popleft())
             total += len(parts[-1])
         return b"".join(parts)
-
-    def _decode(self, payload: memoryview) -> list[RankCommand]:
-        cmds: list[RankCommand] = []
-        at = 0
-        while at + LEN.size <= len(payload):
-            (n,) = LEN.unpack_from(payload, at)
-            if n == 0:
-                break
-            cmds.append(self._codec.decode(payload[at + LEN.size : at + LEN.size + n]))
-            at += LEN.size + n
-        return cmds
 
 
 def _bucket(n: int) -> int:

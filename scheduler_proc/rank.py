@@ -11,12 +11,15 @@ import faulthandler
 import logging
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.distributed import RankPlan, Watchdog
 from engine.ipc import Endpoints
 from engine.messages.to_launcher import SchedulerFacts
+
+if TYPE_CHECKING:
+    from scheduler_proc.broadcast import Channel
 
 log = logging.getLogger("scheduler")
 
@@ -44,6 +47,7 @@ def create_rank(
     with dog.phase("joining the group", config.tp_init_timeout):
         group = distributed.join_group(plan)
         check_same_options(group, config)
+        bcast = open_channel(config, group, plan)
     config = _share_host(config, plan)
     model_dir, model, eos, times = load_model(config)
     distributed.shard(model, group)
@@ -59,7 +63,7 @@ def create_rank(
         )
     links = RootLinks(endpoints) if plan.rank == 0 else None
     loop = ReplicatedLoop(
-        scheduler, group, dog, config.tp_step_timeout, links, orphaned, model_dir=model_dir
+        scheduler, bcast, dog, config.tp_step_timeout, links, orphaned, model_dir=model_dir
     )
     # NOTE: only rank 0 serves clients; a worker's READY carries no facts.
     return loop, scheduler_facts(model_dir, scheduler, config, times) if plan.rank == 0 else None
@@ -82,7 +86,18 @@ SCHEDULER_OPTIONS = (
     "fused_decode",
     "prefill_attention",
     "seed",
+    "tp_frames",
 )
+
+
+def open_channel(config: EngineConfig, group: Any, plan: RankPlan) -> Channel:
+    """The broadcast's carrier (docs/distributed.md): host sockets, or a collective per frame."""
+    from scheduler_proc.broadcast import Broadcast
+    from scheduler_proc.host_channel import open_host_channel
+
+    if config.tp_frames == "collective":
+        return Broadcast(group)
+    return open_host_channel(group, plan.hosts)
 
 
 def check_same_options(group: Any, config: EngineConfig) -> None:

@@ -3,8 +3,9 @@
 Each iteration (docs/distributed.md):
 1. rank 0 only: heartbeat, take its inbox, decide what time decides (the drain deadline, exit);
    everything that changes the scheduler's state is posted to the broadcast, never applied here;
-2. every rank: queue the broadcast frame (its step number and state fingerprint in the header);
-3. every rank: one scheduler step (the model's collectives queue behind the frame);
+2. every rank: send or queue the broadcast frame (its step number and state fingerprint in the
+   header; over host sockets by default, or as a collective: `Channel`);
+3. every rank: one scheduler step;
 4. every rank: read the frame (a different step or fingerprint on any rank is fatal) and apply
    its commands in order; `Exit` ends the loop on every rank at the same iteration.
 
@@ -36,14 +37,14 @@ from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequ
 from engine.messages.to_tokenizer import Heartbeat, SchedulerStats
 from scheduler_proc import loop_rules
 from scheduler_proc.admin import Admin
-from scheduler_proc.broadcast import Broadcast
+from scheduler_proc.broadcast import Channel
 from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_WAIT_S, Draining
 
 log = logging.getLogger("scheduler")
 
 NAP_AFTER = 20  # idle iterations (~1 s) before a worker naps instead of spinning
 
-# NOTE: what every rank's scheduler must agree on after each step (stats that are pure state).
+# NOTE: what every rank's scheduler must agree on after each step (`Scheduler.state_stats`).
 FINGERPRINT_KEYS = (
     "steps_launched",
     "prefill_tokens",
@@ -74,7 +75,7 @@ class ReplicatedLoop:
     def __init__(
         self,
         scheduler: Any,
-        group: mx.distributed.Group,
+        bcast: Channel,
         watchdog: Watchdog,
         step_timeout: float,
         links: RootLinks | None,
@@ -83,8 +84,8 @@ class ReplicatedLoop:
     ) -> None:
         self.sched = scheduler
         self.sched.contain_errors = False  # NOTE: a failed step must not be absorbed on one rank
-        self.bcast = Broadcast(group)
-        self.rank = group.rank()
+        self.bcast = bcast
+        self.rank = bcast.rank
         self.dog, self.step_timeout = watchdog, step_timeout
         self.links = links  # rank 0 only
         self.orphaned = orphaned
@@ -97,7 +98,7 @@ class ReplicatedLoop:
         self._idle = 0  # idle iterations in a row
         # NOTE: every rank runs the operations (they change state); rank 0 alone answers.
         model = model_dir or Path(scheduler.config.model or "")
-        self.admin = Admin(scheduler, scheduler.config, model, self._tell, tp_size=group.size())
+        self.admin = Admin(scheduler, scheduler.config, model, self._tell, tp_size=bcast.size)
 
     def run(self) -> None:
         self.dog.arm("a step", self.step_timeout)
@@ -122,10 +123,11 @@ class ReplicatedLoop:
             self._heartbeat()
             self._receive(idle)
             self._decide()
-        elif self._idle > NAP_AFTER:
+        elif self._idle > NAP_AFTER and self.bcast.polls:
             # NOTE: rank 0 waits up to IDLE_WAIT_S on its inbox; a worker in the collective
             # meanwhile spins a core (the ring busy-polls: 94 % of a core measured). Only after
-            # a while idle, so back-to-back requests never wait for a nap.
+            # a while idle, so back-to-back requests never wait for a nap; a worker on host
+            # sockets sleeps in recv instead.
             time.sleep(IDLE_WAIT_S)
         self.iteration += 1
         self.bcast.start(self.iteration, self._fingerprint())
@@ -216,7 +218,7 @@ class ReplicatedLoop:
             self._tell(StepOutputs(outputs))
 
     def _fingerprint(self) -> int:
-        stats = self.sched.stats()
+        stats = self.sched.state_stats()  # NOTE: not stats(): that costs ms a call
         values = [int(stats.get(k, 0)) for k in FINGERPRINT_KEYS] + [
             self._tokens,
             len(self.sched.in_flight()),
@@ -231,6 +233,7 @@ class ReplicatedLoop:
         self._send(self.sched.last_outputs())
         mx.synchronize()
         self._tell(SchedulerExited())
+        self.bcast.close()
         if self.links is not None:
             self.links.close()
         log.info("rank %d: scheduler loop exited", self.rank)

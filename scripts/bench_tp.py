@@ -6,15 +6,16 @@ then mlx-lm on the same weights: `model.shard()` over the same group (ring or NC
 engine/distributed.py as the engine forms it), `batch_generate` (or `stream_generate` at 1) with
 the same prompt and output lengths. Same model, same workload, same run (DESIGN.md §7).
 
-CPU (two ring ranks, one core each; tiny model, ~2 minutes):
+CPU (two ring ranks, one core each; tiny model, ~3 minutes; both frame carriers):
   .venv/bin/python scripts/bench_tp.py --random tiny --tp 2 --concurrency 1,4,16 \\
-      --max-tokens 32 --launch-args "--max-total-tokens 16384 --context-length 1024"
+      --max-tokens 32 --frames tcp,collective \\
+      --launch-args "--max-total-tokens 16384 --context-length 1024"
 Two GPUs (the lent machine has no network: docs/distributed.md says how the wheels and the
 tokenizer files travel; each call at most 10 minutes, so the engine and mlx-lm in two calls):
   source .whl/b/gpu-install.sh
   NCCL_NVLS_ENABLE=0 python3 scripts/bench_tp.py --random llama-8b --random-dir /tmp/llama-8b \
       --tokenizer .tok --tp 2 --launch-args "--max-running-requests 64" --only engine \
-      --out $OUT/engine.json --log-dir $OUT/logs
+      --frames tcp,collective --out $OUT/engine.json --log-dir $OUT/logs
   (then the same with --only mlx-lm: the model in /tmp/llama-8b is reused)
 """
 
@@ -58,6 +59,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--launch-args", default="", help="extra `mlx-engine launch` options")
+    p.add_argument(
+        "--frames",
+        default="tcp",
+        help="--tp-frames of the engine's sharded runs, comma-separated (tcp,collective: both "
+        "in one run, the first in the main table)",
+    )
     p.add_argument("--skip-mlx-lm", action="store_true")
     p.add_argument("--log-dir", default=None, help="keep the engines' logs here")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -174,9 +181,12 @@ class Engine:
         self._log.close()
 
 
-def bench_engine(args: argparse.Namespace, model: Path, tp: int, logs: Path) -> dict[str, Any]:
-    extra = shlex.split(args.launch_args)
-    engine = Engine(model, tp, extra, logs / f"engine-tp{tp}.log")
+def bench_engine(
+    args: argparse.Namespace, model: Path, tp: int, logs: Path, frames: str = ""
+) -> dict[str, Any]:
+    extra = shlex.split(args.launch_args) + (["--tp-frames", frames] if frames else [])
+    name = f"tp{tp}" + (f"-{frames}" if frames else "")
+    engine = Engine(model, tp, extra, logs / f"engine-{name}.log")
     vocab = vocab_of(model)
     out: dict[str, Any] = {}
     try:
@@ -189,7 +199,7 @@ def bench_engine(args: argparse.Namespace, model: Path, tp: int, logs: Path) -> 
             fig["broadcast_wait_s"] -= before.get("tp_broadcast_wait_s", 0.0)
             fig["iterations"] -= before.get("tp_iterations", 0.0)
             out[str(conc)] = fig
-            print(f"engine tp={tp} c={conc}: {fmt(fig)}", flush=True)
+            print(f"engine {name} c={conc}: {fmt(fig)}", flush=True)
     finally:
         engine.stop()
     return out
@@ -285,6 +295,10 @@ def n_requests(args: argparse.Namespace, conc: int) -> int:
     return args.requests or max(8, 2 * conc)
 
 
+def frame_kinds(args: argparse.Namespace) -> list[str]:
+    return [f.strip() for f in args.frames.split(",") if f.strip()]
+
+
 def fmt(fig: dict[str, float]) -> str:
     parts = [f"{fig['tok_s']:.1f} tok/s"]
     if "ttft_p50_ms" in fig:
@@ -295,7 +309,8 @@ def fmt(fig: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
-def report(results: dict[str, dict[str, Any]], tp: int) -> None:
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    tp = args.tp
     keys = ("engine_tp1", f"engine_tp{tp}", "mlx_lm_tp1", f"mlx_lm_tp{tp}")
     print(
         f"\n| concurrency | engine TP=1 | engine TP={tp} | ratio | mlx-lm TP=1 | mlx-lm TP={tp} |"
@@ -306,6 +321,22 @@ def report(results: dict[str, dict[str, Any]], tp: int) -> None:
         cells = ["-" if t is None else f"{t:.1f}" for t in tok]
         ratio = f"{tok[1] / tok[0]:.2f}x" if tok[0] and tok[1] else "-"
         print(f"| {conc} | {cells[0]} | {cells[1]} | {ratio} | {cells[2]} | {cells[3]} |")
+    kinds = frame_kinds(args)
+    runs = [(k, f"engine_tp{tp}" + (f"_{k}" if i else "")) for i, k in enumerate(kinds)]
+    runs = [(k, key) for k, key in runs if key in results]
+    if not runs:
+        return
+    print(
+        f"\n| concurrency | --tp-frames | engine TP={tp} tok/s | TTFT p50 ms | frame wait us/iteration |"
+    )
+    print("|---|---|---|---|---|")
+    for conc in results[runs[0][1]]:
+        for kind, key in runs:
+            fig = results[key][conc]
+            wait = fig["broadcast_wait_s"] / fig["iterations"] * 1e6 if fig["iterations"] else 0
+            print(
+                f"| {conc} | {kind} | {fig['tok_s']:.1f} | {fig['ttft_p50_ms']:.1f} | {wait:.0f} |"
+            )
 
 
 def main() -> None:
@@ -324,15 +355,17 @@ def main() -> None:
     }
     try:
         if args.only != "mlx-lm":
-            for tp in (1, args.tp):
-                results[f"engine_tp{tp}"] = bench_engine(args, model, tp, logs)
+            results["engine_tp1"] = bench_engine(args, model, 1, logs)
+            for i, frames in enumerate(frame_kinds(args)):
+                key = f"engine_tp{args.tp}" + (f"_{frames}" if i else "")
+                results[key] = bench_engine(args, model, args.tp, logs, frames)
         if args.only != "engine" and not args.skip_mlx_lm:
             for tp in (1, args.tp):
                 results[f"mlx_lm_tp{tp}"] = bench_mlx_lm(args, model, tp, logs)
     finally:
         if made is not None and not args.random_dir:
             shutil.rmtree(made, ignore_errors=True)
-    report(results, args.tp)
+    report(results, args)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

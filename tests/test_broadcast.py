@@ -7,6 +7,8 @@ whose state differs stop with `Diverged`.
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ import mlx.core as mx
 import pytest
 from scheduler_util import tiny_model
 
-from engine.distributed import Topology, check_shardable, read_hostfile, topology
+from engine.distributed import Topology, check_shardable, frame_address, read_hostfile, topology
 from engine.messages.to_ranks import Exit
 from engine.messages.to_scheduler import Abort, TokenizedRequest
 from engine.sampling_params import SamplingParams
@@ -41,29 +43,40 @@ def test_commands_arrive_in_order_one_iteration_later():
 
 TWO_RANKS = textwrap.dedent(
     """
-    import sys
+    import json, os, sys, time
+    from engine.config import EngineConfig
     from engine.distributed import RankPlan, join_group
-    rank, hostfile = int(sys.argv[1]), sys.argv[2]
+    rank, hostfile, frames = int(sys.argv[1]), sys.argv[2], sys.argv[5]
     hosts = (("127.0.0.1:%s" % sys.argv[3],), ("127.0.0.1:%s" % sys.argv[4],))
-    RankPlan(rank, hosts, hostfile, "ring", 2, None).enter()
-    from engine.messages.to_scheduler import Abort
-    from scheduler_proc.broadcast import Broadcast, Diverged
-    group = join_group(RankPlan(rank, hosts, hostfile, "ring", 2, None))
-    bcast = Broadcast(group)
-    if rank == 0:
-        bcast.post(Abort("x"))
-    got = []
-    for step in (1, 2):
+    plan = RankPlan(rank, hosts, hostfile, "ring", 2, None)
+    plan.enter()
+    from engine.messages.to_scheduler import Abort, TokenizedRequest
+    from engine.sampling_params import SamplingParams
+    from scheduler_proc.broadcast import Diverged
+    from scheduler_proc.rank import check_same_options, open_channel
+    group = join_group(plan)
+    bcast = open_channel(EngineConfig(tp_frames=frames), group, plan)
+    # NOTE: what rank 0 posts before each step's frame; the ~5 MB prompt is more than a socket
+    # buffer holds (the rest of its frame goes after the step).
+    big = TokenizedRequest("big", list(range(1 << 20, 2 << 20)), SamplingParams())
+    posts = {1: ["a"], 2: ["b", "c"], 4: [big], 5: ["d"]}
+    applied = []
+    for step in range(1, 8):
+        for cmd in posts.get(step, []) if rank == 0 else []:
+            bcast.post(Abort(cmd) if isinstance(cmd, str) else cmd)
         bcast.start(step, 7)
-        got += bcast.finish()
-    print("GOT", [c.rid for c in got], flush=True)
+        if step == 3 and rank == 0:
+            time.sleep(0.3)  # NOTE: a long step on rank 0: rank 1 sends step 4's header early
+        applied.append([step, [c.rid for c in bcast.finish()]])
+    print("APPLIED", json.dumps(applied), flush=True)
     try:
-        bcast.start(3, 7 + rank)  # NOTE: the ranks' states differ
-        bcast.finish()
+        # NOTE: the ranks' states differ at step 8; a worker stops there, rank 0 there or (on
+        # host links, a worker's header being one step late at most) at the next step.
+        for step in (8, 9):
+            bcast.start(step, 7 + rank * (step == 8))
+            bcast.finish()
     except Diverged as e:
         print("DIVERGED", e, flush=True)
-    from engine.config import EngineConfig
-    from scheduler_proc.rank import check_same_options
     check_same_options(group, EngineConfig(seed=5))
     try:
         check_same_options(group, EngineConfig(seed=rank))
@@ -76,11 +89,21 @@ TWO_RANKS = textwrap.dedent(
     mine = plan_kv(kv, 64, None)
     agreed = agree_kv_plan(group, mine)
     print("KV", mine.pages, agreed.pages, agreed.slots, agreed.context, flush=True)
+    if frames == "tcp":
+        if rank == 1:
+            os._exit(0)  # NOTE: a worker lost between two frames
+        t0 = time.monotonic()
+        try:
+            bcast.start(10, 7)
+            bcast.finish()
+        except ConnectionError as e:
+            print("LOST %.2f" % (time.monotonic() - t0), e, flush=True)
     """
 )
 
 
-def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(tmp_path: Path):
+@pytest.mark.parametrize("frames", ["tcp", "collective"])
+def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(frames: str, tmp_path: Path):
     from engine_harness import free_port
 
     ports = [str(free_port()), str(free_port())]
@@ -88,7 +111,7 @@ def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(tmp_path: Pa
     hostfile.write_text(f'[["127.0.0.1:{ports[0]}"], ["127.0.0.1:{ports[1]}"]]')
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS, str(r), str(hostfile), *ports],
+            [sys.executable, "-c", TWO_RANKS, str(r), str(hostfile), *ports, frames],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -102,13 +125,22 @@ def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(tmp_path: Pa
     finally:
         for p in procs:
             p.kill()
+    # NOTE: every rank applies each command at the same step: the step it was posted before on
+    # host sockets, one later on the collective (its size is announced a frame ahead).
+    late = 0 if frames == "tcp" else 1
+    want = [[s, []] for s in range(1, 8)]
+    for step, rids in {1: ["a"], 2: ["b", "c"], 4: ["big"], 5: ["d"]}.items():
+        want[step - 1 + late][1] = rids
     for out in outs:
-        assert "GOT ['x']" in out, out
-        assert "DIVERGED rank 1 is at step 3 with state 0x" in out, out
+        assert "APPLIED " + json.dumps(want) in out, out
+        assert "DIVERGED rank 1 is at step 8 with state 0x" in out, out
         assert out.count("OPTIONS the ranks were started with different") == 1, out
     # NOTE: rank 0 could hold 8 rows and a 1024-token store, rank 1 only 4 and 512: both allocate
     # rank 1's plan.
     assert "KV 511 175 8 1024" in outs[0] and "KV 175 175 8 1024" in outs[1], outs
+    if frames == "tcp":
+        lost = re.search(r"LOST (\d+\.\d+) rank 1's frame link closed", outs[0])
+        assert lost and float(lost.group(1)) < 1.0, outs[0]
 
 
 def test_heads_must_divide_by_the_ranks(tiny_weights_dir):
@@ -136,6 +168,51 @@ def test_topology_one_host_and_hostfile(tmp_path: Path, monkeypatch: pytest.Monk
     assert multi is not None and multi.local == (1,)
     assert multi.plan(1).env()["CUDA_VISIBLE_DEVICES"] == "0"  # NOTE: its host's first GPU
     assert multi.plan(1).env()["NCCL_HOST_IP"] == "10.0.0.1"
+    # NOTE: the frame links' port is above every ring port, consecutive ones on one host too.
+    assert frame_address(multi.hosts) == ("10.0.0.1", 5001)
+    assert frame_address((("10.0.0.1:5000",), ("10.0.0.1:5001",))) == ("10.0.0.1", 5002)
+    assert frame_address(one.hosts)[1] == 1 + max(int(h[0].split(":")[1]) for h in one.hosts)
     hostfile.write_text('["10.0.0.1"]')
     with pytest.raises(ValueError, match="ip:port"):
         topology(EngineConfig(tp_hostfile=str(hostfile)), tmp_path)
+
+
+def test_the_fingerprint_reads_the_same_state_as_stats(tiny_weights_dir):
+    """`ReplicatedLoop` fingerprints `state_stats()` (cheap) every iteration: the same values
+    as `stats()` (which walks every frozen object), through prefill, decode, an abort and a
+    prefix-cache hit."""
+    import random
+
+    from scheduler_util import make_scheduler, random_prompt
+
+    from scheduler_proc.replicated import FINGERPRINT_KEYS
+
+    sched = make_scheduler(tiny_model(tiny_weights_dir))
+    rng = random.Random(5)
+    shared = random_prompt(rng, 40)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    for i in range(3):
+        sched.submit(f"r{i}", shared + random_prompt(rng, 5), params)
+    for step in range(40):
+        if step == 2:
+            sched.abort("r1")
+        if step == 12:
+            sched.submit("late", shared + random_prompt(rng, 3), params)
+        if sched.has_work():
+            sched.step()
+        full, lean = sched.stats(), sched.state_stats()
+        assert {k: full.get(k, 0) for k in FINGERPRINT_KEYS} == {
+            k: lean.get(k, 0) for k in FINGERPRINT_KEYS
+        }, step
+    assert sched.stats()["prefix_cache_hit_tokens"] > 0 and sched.stats()["requests_aborted"] == 1
+
+
+def test_bench_tp_frames_runs_on_the_cpu():
+    """scripts/bench_tp_frames.py (the frame path alone, both carriers) at a toy size: the GPU
+    run must not be its first run."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_tp_frames.py"
+    cmd = [sys.executable, str(script), "--iterations", "60", "--dim", "16", "--layers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"\| tcp \| \d+ \| \d+ \| \d+ \| \d+ \|", done.stdout), done.stdout
+    assert re.search(r"\| collective \| \d+ \|", done.stdout), done.stdout

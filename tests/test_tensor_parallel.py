@@ -88,14 +88,19 @@ def single_process(model_dir: Path, reqs: list[tuple[str, list[int], dict]]) -> 
     return {rid: [t for o in outs[rid] for t in o.token_ids] for rid, _, _ in reqs}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_tp2_tokens_equal_a_single_process(family, tiny_model_dir, tiny_qwen3_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "frames"), [("llama", "tcp"), ("qwen3", "tcp"), ("llama", "collective")]
+)
+def test_tp2_tokens_equal_a_single_process(
+    family, frames, tiny_model_dir, tiny_qwen3_dir, tmp_path
+):
     model_dir = tiny_model_dir if family == "llama" else tiny_qwen3_dir
     reqs = workload()
     want = single_process(model_dir, reqs)
-    engine = LaunchedEngine(model_dir, tmp_path / "tp.log", *TP2)
+    engine = LaunchedEngine(model_dir, tmp_path / "tp.log", *TP2, "--tp-frames", frames)
     try:
         check_parity(engine.wait_ready(), reqs, want)
+        assert ("frame links over TCP" in engine.log()) == (frames == "tcp")
     finally:
         engine.stop()
 
