@@ -218,25 +218,17 @@ def _tool_result(at: str, block: dict[str, Any]) -> dict[str, Any]:
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
     """Anthropic tools as the template's OpenAI-style function tools."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise InvalidRequest("tools", "must be a list")
-    out = []
-    for j, t in enumerate(tools):
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise InvalidRequest(f"tools[{j}]", "must be an object with a string name")
-        if t.get("type") not in (None, "custom"):
-            raise InvalidRequest(f"tools[{j}].type", "only custom (client) tools are supported")
-        schema = t.get("input_schema", {"type": "object"})
-        function = {
-            "name": t["name"],
-            "description": t.get("description", ""),
-            "parameters": schema,
-        }
-        out.append({"type": "function", "function": function})
-    prepare.check_tools(out)
-    return out
+    return prepare.converted_tools(tools, _tool)
+
+
+def _tool(j: int, t: Any) -> dict[str, Any]:
+    if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+        raise InvalidRequest(f"tools[{j}]", "must be an object with a string name")
+    if t.get("type") not in (None, "custom"):
+        raise InvalidRequest(f"tools[{j}].type", "only custom (client) tools are supported")
+    schema = t.get("input_schema", {"type": "object"})
+    function = {"name": t["name"], "description": t.get("description", ""), "parameters": schema}
+    return {"type": "function", "function": function}
 
 
 # --- responses ----------------------------------------------------------------------------------

@@ -7,16 +7,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from engine.errors import (
-    EngineDead,
-    EngineError,
-    InvalidRequest,
-    Overloaded,
-    Paused,
-    ShuttingDown,
-    Timeout,
-    Unauthorized,
-)
+from engine import errors
+from engine.errors import EngineError, InvalidRequest
 from tokenizer_proc import anthropic_api
 
 
@@ -33,12 +25,12 @@ STATUS: dict[type[EngineError], tuple[int, str, str | None]] = {
     InvalidRequest: (400, "invalid_request_error", None),
     BodyTooLarge: (413, "invalid_request_error", "request_too_large"),
     BodyTooSlow: (408, "invalid_request_error", "request_timeout"),
-    Unauthorized: (401, "authentication_error", "invalid_api_key"),
-    Overloaded: (429, "rate_limit_error", "overloaded"),
-    Paused: (503, "service_unavailable", "paused"),
-    ShuttingDown: (503, "service_unavailable", "shutting_down"),
-    EngineDead: (503, "service_unavailable", "engine_dead"),
-    Timeout: (504, "timeout", None),
+    errors.Unauthorized: (401, "authentication_error", "invalid_api_key"),
+    errors.Overloaded: (429, "rate_limit_error", "overloaded"),
+    errors.Paused: (503, "service_unavailable", "paused"),
+    errors.ShuttingDown: (503, "service_unavailable", "shutting_down"),
+    errors.EngineDead: (503, "service_unavailable", "engine_dead"),
+    errors.Timeout: (504, "timeout", None),
 }
 
 

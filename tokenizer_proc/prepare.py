@@ -4,6 +4,7 @@ no sockets, no state."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.errors import InvalidRequest
@@ -27,6 +28,20 @@ def check_tools(tools: Any) -> None:
     """OpenAI-style tool specs, as the HTTP API and the SDK take them."""
     if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
         raise InvalidRequest("tools", "must be a list of {type: function, function: {name, ...}}")
+
+
+def converted_tools(
+    tools: Any, convert: Callable[[int, Any], dict[str, Any]]
+) -> list[dict[str, Any]] | None:
+    """An API's `tools` as the template's function tools, `convert(j, tool)` each (raising
+    `InvalidRequest` for `tools[j]`); None when absent."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools", "must be a list")
+    out = [convert(j, t) for j, t in enumerate(tools)]
+    check_tools(out)
+    return out
 
 
 def _is_tool(tool: Any) -> bool:

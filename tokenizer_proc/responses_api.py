@@ -189,18 +189,14 @@ def _content(at: str, content: Any) -> str:
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
     """Responses' flat function tools as the template's chat-style ones."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise InvalidRequest("tools", "must be a list")
-    out = []
-    for j, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            raise InvalidRequest(f"tools[{j}]", "only function tools are supported")
-        keys = ("name", "description", "parameters")
-        out.append({"type": "function", "function": {k: t[k] for k in keys if k in t}})
-    prepare.check_tools(out)
-    return out
+    return prepare.converted_tools(tools, _tool)
+
+
+def _tool(j: int, t: Any) -> dict[str, Any]:
+    if not isinstance(t, dict) or t.get("type") != "function":
+        raise InvalidRequest(f"tools[{j}]", "only function tools are supported")
+    keys = ("name", "description", "parameters")
+    return {"type": "function", "function": {k: t[k] for k in keys if k in t}}
 
 
 # --- responses ----------------------------------------------------------------------------------
