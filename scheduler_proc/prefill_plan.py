@@ -6,7 +6,8 @@ x width x keys) within `PREFILL_SCORES_MAX`. Prompts whose rest fits one chunk g
 
 With `long_chunk` (`prefill_attention.long_chunk`), a later chunk that starts on a multiple of it
 runs alone, that many tokens, by the causal kernel: no scores held, so no score bound. Other
-later chunks end on such a multiple, so the next one starts there.
+later chunks end on such a multiple, so the next one starts there. While requests decode, a long
+prompt's first chunk (its rest more than one chunk) runs alone too, that many tokens.
 """
 
 from __future__ import annotations
