@@ -78,6 +78,7 @@ class EngineConfig:
         0,
         "A long prompt's later chunks: tokens per step of their own, whose keys end on a multiple "
         "of it, attended by the fast op's causal kernel (no mask, no scores held, few shapes); "
+        "while requests decode its first chunk too runs alone, this many tokens; "
         "0: 512 on CUDA for attention-only bf16/f16 models, off elsewhere; -1: off",
     )
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens (0: derive from --mem-fraction)")

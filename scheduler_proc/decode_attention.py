@@ -222,6 +222,10 @@ _scales: dict[float, mx.array] = {}
 
 # NOTE: rows of fewer keys run in one pass (`split_count`).
 SPLIT_MIN_KEYS = 1024
+# NOTE: most keys one split walks when the GPU is already full of blocks: the split count is the
+# batch's, so one long row (a 30k-token prompt's last token, its decode) among 64 short ones
+# walked all its keys in one block per KV head (H200: 40-70 ms steps beside 8 ms ones).
+SPLIT_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -331,8 +335,9 @@ def decode_attention(
 
 
 def split_count(blocks: int, max_len: int, target: int = 256, min_len: int | None = None) -> int:
-    """Splits per (row, KV head): enough blocks to fill a large GPU (`target`), each split at
-    least one tile of keys, a power of two up to 32; none for rows under `min_len` keys.
+    """Splits per (row, KV head): enough blocks to fill a large GPU (`target`), and enough that
+    the longest row's splits walk at most `SPLIT_KEYS` keys each; each split at least one tile of
+    keys, a power of two up to 32; none for rows under `min_len` keys.
 
     NOTE: H200, 32/8 heads, dim 64: rows of up to 600 keys ran slower split (B=2: 72 us in 4
     splits vs 65 us in one pass; the merge costs more than it saves), rows of up to 4000 keys
@@ -341,7 +346,9 @@ def split_count(blocks: int, max_len: int, target: int = 256, min_len: int | Non
     if max_len < (SPLIT_MIN_KEYS if min_len is None else min_len):
         return 1
     n = 1
-    while blocks * n < target and n < 32 and (2 * n) * _TILE <= max_len:
+    while (
+        n < 32 and (2 * n) * _TILE <= max_len and (blocks * n < target or max_len > n * SPLIT_KEYS)
+    ):
         n *= 2
     return n
 

@@ -6,7 +6,8 @@ x width x keys) within `PREFILL_SCORES_MAX`. Prompts whose rest fits one chunk g
 
 With `long_chunk` (`prefill_attention.long_chunk`), a later chunk that starts on a multiple of it
 runs alone, that many tokens, by the causal kernel: no scores held, so no score bound. Other
-later chunks end on such a multiple, so the next one starts there.
+later chunks end on such a multiple, so the next one starts there. While requests decode, a long
+prompt's first chunk (its rest more than one chunk) runs alone too, that many tokens.
 """
 
 from __future__ import annotations
@@ -44,22 +45,27 @@ class PrefillPlanner:
         `decoding`: requests are decoding, and wait for this step."""
         plan = self._plan(todo, ladders)
         if self.long_chunk is not None:
-            plan = self._lone_or_aligned(plan, self.long_chunk)
+            plan = self._lone_or_aligned(plan, self.long_chunk, decoding)
             if len(plan) == 1 and aligned(plan[0][0].prefilled, plan[0][1], self.long_chunk):
                 return plan
         if decoding and self.beside_decode is not None:
             return self._beside_decode(plan, ladders, self.beside_decode)
         return plan
 
-    def _lone_or_aligned(self, plan: list[tuple[Req, int]], w: int) -> list[tuple[Req, int]]:
+    def _lone_or_aligned(
+        self, plan: list[tuple[Req, int]], w: int, decoding: bool = False
+    ) -> list[tuple[Req, int]]:
         """The chunks that are not lone causal ones, each ending by the next multiple of `w`;
-        with none, the first lone one alone.
+        with none, the first lone one alone. `decoding`: a long prompt's first chunk (its rest
+        more than one chunk) is a lone one too, `w` tokens, so no step beside decode runs more.
 
         NOTE: H200, 32/8 heads, 32k keys: a 512-query chunk by the causal kernel 0.47 ms a layer
         against 2.9 ms by ops (whose 64-query chunks, within the score bound, cost 0.86 ms)."""
         rest = []
         for req, n in plan:
             start = req.prefilled
+            if decoding and start == 0 and room(req) > self.chunk:
+                continue
             if not aligned(start, 1, w):
                 rest.append((req, min(n, w - start % w) if start % w else n))
         if rest:

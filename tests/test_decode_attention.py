@@ -145,12 +145,24 @@ def test_the_kernel_passes_its_start_up_check(dtype):
 
 def test_few_rows_split_their_keys_across_blocks():
     """Enough blocks to fill a large GPU, never a split without a whole tile of keys."""
-    assert decode_attention.split_count(blocks=512, max_len=4096) == 1
+    assert decode_attention.split_count(blocks=512, max_len=2048) == 1
+    assert decode_attention.split_count(blocks=512, max_len=4096) == 2  # NOTE: SPLIT_KEYS each
     assert decode_attention.split_count(blocks=16, max_len=4096) == 16
     assert decode_attention.split_count(blocks=8, max_len=4096) == 32
     assert decode_attention.split_count(blocks=16, max_len=1100) == 8
     # NOTE: short rows run in one pass whatever the row count: the merge would cost more
     assert decode_attention.split_count(blocks=8, max_len=600) == 1
+
+
+def test_one_long_row_among_many_short_ones_splits_its_keys():
+    """The split count is the batch's: 64 chats and one row of 30k keys (a long prompt's last
+    token, then its decode) split the long row's keys, SPLIT_KEYS a block at most, not one
+    block per KV head walking all of them (H200: 40-70 ms steps beside 8 ms ones)."""
+    blocks = 65 * 8
+    n = decode_attention.split_count(blocks, max_len=30016)
+    assert n == 16 and -(-30016 // n) <= decode_attention.SPLIT_KEYS
+    assert decode_attention.split_count(blocks, max_len=640) == 1  # NOTE: the chats alone
+    assert decode_attention.split_count(blocks, max_len=200_000) == 32
 
 
 def _fake_kernel(shift: int = 0, pad_zeros: bool = True):
