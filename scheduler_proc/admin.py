@@ -256,7 +256,7 @@ class Admin:
     # -- plumbing --------------------------------------------------------------------------------
     def _admission(self) -> None:
         paused = self.paused
-        self.sched.admitting = paused is None and not self._holding
+        self.sched.seating = paused is None and not self._holding
         self.sched.stepping = paused is None or paused.mode != "in_place"
 
     def _answer(self, rid: str, info: Info) -> None:

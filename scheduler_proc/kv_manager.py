@@ -28,7 +28,7 @@ class KVManager:
         slotted = any(r is not None for r in pool.rings) or bool(pool.states)
         self.snapshots = SlotSnapshots(pool, snapshots) if prefix and slotted else None
 
-    def admit(self, req: Req, reserve: int) -> bool:
+    def seat(self, req: Req, reserve: int) -> bool:
         """Give `req` its pages (a cached prefix shared) if they fit beside `reserve` pages."""
         assert req.slot is not None, f"{req.rid}: admitted without a slot"
         hit = None

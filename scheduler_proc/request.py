@@ -35,7 +35,7 @@ class Req:
     kv_len: int = 0  # tokens launched into the KV (prompt + decode inputs)
     preemptions: int = 0
     snap_at: int | None = None  # a position to snapshot its slot at (a shared prefix's end)
-    admitted: int = 0  # admission order while it runs (the newest is preempted first)
+    seated: int = 0  # seating order while it runs (the newest is preempted first)
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -73,7 +73,7 @@ class RunningTable:
     def newest(self, client: str | None = None) -> Req:
         """The request admitted last (of `client`): the first to give its pages back."""
         reqs = [r for r in self.reqs if client is None or r.client == client]
-        return max(reqs, key=lambda r: r.admitted)
+        return max(reqs, key=lambda r: r.seated)
 
     def heaviest(self) -> str:
         """The client holding the most rows (the first to take its rows, at a tie)."""

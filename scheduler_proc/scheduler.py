@@ -136,8 +136,8 @@ class Scheduler:
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap
         # NOTE: an operator's pause (scheduler_proc/admin.py): waiting requests stay queued while
-        # not admitting; running requests keep their rows and take no step while not stepping.
-        self.admitting = True
+        # not seating; running requests keep their rows and take no step while not stepping.
+        self.seating = True
         self.stepping = True
         self.on_launch: Callable[[Batch], None] | None = None  # profiler / test hook
         # NOTE: False under tensor parallel: a failed step (a lost peer) must stop the engine.
@@ -155,7 +155,7 @@ class Scheduler:
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefill_last = False  # the last fresh step was a prefill step
-        self._admissions = 0
+        self._seatings = 0
         self.step_times = StepTimes()
         # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
         # different shapes would run different collectives; their start-up watchdog bounds it.
@@ -227,7 +227,7 @@ class Scheduler:
         if not self.stepping:
             return bool(self._touched)
         busy = self._current or self._next or self.running.reqs
-        return bool(busy or (self._waiting and self.admitting) or self._touched)
+        return bool(busy or (self._waiting and self.seating) or self._touched)
 
     def quiesce(self) -> None:
         """Finish the step in flight (its tokens go out with the next `step()`), so that rows
@@ -248,7 +248,7 @@ class Scheduler:
         """Every running request gives its row and pages back and waits at the front of the
         queue, in admission order, to be recomputed (its stream intact); after `quiesce()`."""
         assert self._current is None and self._next is None, "a step is in flight"
-        running = sorted(self.running.reqs, key=lambda r: r.admitted, reverse=True)
+        running = sorted(self.running.reqs, key=lambda r: r.seated, reverse=True)
         for req in running:
             self._preempt(req, "generation paused (retract)")
         return len(running)
@@ -400,7 +400,7 @@ class Scheduler:
             self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
-        if not cur.pure_decode or self.running.prefilling() or self._admissible():
+        if not cur.pure_decode or self.running.prefilling() or self._seatable():
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
         if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.decode):
@@ -410,13 +410,13 @@ class Scheduler:
         return all(self.kv.grow(r, evict=False) for r in cur.decode)
 
     def _must_break(self, nxt: Batch) -> bool:
-        return any(r.finished for r in nxt.decode) or self._admissible()
+        return any(r.finished for r in nxt.decode) or self._seatable()
 
-    def _admissible(self) -> bool:
+    def _seatable(self) -> bool:
         """Whether the next waiting request could be admitted now (a slot, and pages by a
         cheap estimate: free pages and what the prefix cache could give up), or a row given
         back for it (`_fair_victim`)."""
-        if not self._waiting or not self.admitting:
+        if not self._waiting or not self.seating:
             return False
         req = self._waiting.peek(self.running.rows_of)
         if self.running.free_slots > 0 and self.kv.could_free(
@@ -481,8 +481,8 @@ class Scheduler:
         NOTE: decode rows wait at most one prefill step: after a prefill step, a decode step runs
         whenever there is a row to decode.
         """
-        if self.admitting:
-            self._admit()
+        if self.seating:
+            self._seat()
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
         if not (self._prefill_last and (decoding or ready)):
@@ -500,18 +500,18 @@ class Scheduler:
         batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
         return batch
 
-    def _admit(self) -> None:
+    def _seat(self) -> None:
         """Waiting requests take a slot and their pages (a cached prefix shared), fairly across
         clients (scheduler_proc/waiting.py), while pages remain beside one per decoding request
         for their growth. A client below its share of rows that gets none takes one from the
         client most above it (one a step, so a flood is rebalanced without thrashing)."""
-        blocked = self._admit_waiting()
+        blocked = self._seat_waiting()
         victim = self._fair_victim(blocked) if blocked is not None else None
         if victim is not None:
             self._preempt(victim, "its client holds more than its share of rows")
-            self._admit_waiting()
+            self._seat_waiting()
 
-    def _admit_waiting(self) -> Req | None:
+    def _seat_waiting(self) -> Req | None:
         """Admit what fits; returns the request that found no slot or pages (None: all were
         admitted or are deferred)."""
         deferred: list[Req] = []
@@ -535,8 +535,8 @@ class Scheduler:
                 if not self._take_pages(req):
                     return req
                 req.state = State.PREFILLING
-                self._admissions += 1
-                req.admitted = self._admissions
+                self._seatings += 1
+                req.seated = self._seatings
                 self._waiting.served(req.client)
             return None
         finally:  # NOTE: a failed admission must not drop the requests deferred before it
@@ -560,14 +560,14 @@ class Scheduler:
     def _take_pages(self, req: Req) -> bool:
         """A slot and pages for `req`; refused (or failed), it waits at the front, holding none."""
         self.running.add(req)
-        admitted = False
+        seated = False
         try:
-            admitted = self.kv.admit(req, reserve=self.running.n_decode)
+            seated = self.kv.seat(req, reserve=self.running.n_decode)
         finally:
-            if not admitted:
+            if not seated:
                 self.running.release(req)
                 self._waiting.appendleft(req)
-        return admitted
+        return seated
 
     def _make_room(self) -> None:
         """Every decoding request gets the page its next token needs; when none is left, the

@@ -172,8 +172,8 @@ BUGS = (
     Bug(
         "admission ignores the decode reserve (the scheduler passes none)",
         "scheduler_proc/scheduler.py",
-        "admitted = self.kv.admit(req, reserve=self.running.n_decode)",
-        "admitted = self.kv.admit(req, reserve=0)",
+        "seated = self.kv.seat(req, reserve=self.running.n_decode)",
+        "seated = self.kv.seat(req, reserve=0)",
     ),
     Bug(
         "a preempted request recomputes its last token twice",
@@ -328,8 +328,8 @@ BUGS = (
     Bug(
         "a paused engine goes on admitting waiting requests",
         "scheduler_proc/admin.py",
-        "self.sched.admitting = paused is None and not self._holding",
-        "self.sched.admitting = not self._holding",
+        "self.sched.seating = paused is None and not self._holding",
+        "self.sched.seating = not self._holding",
     ),
     Bug(
         "new weights leave the old model's KV in the prefix cache",

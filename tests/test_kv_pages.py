@@ -221,7 +221,7 @@ class Walk:
         hit_slots = [before[tuple(req.fill_ids[: i + 1])] for i in range(want)]
         blocks = whole_pages(hit_slots, self.pool.page_size)
         need = self.pool.pages_for(req.fill_len) - sum(b is not None for b in blocks) + reserve
-        if not kv.admit(req, reserve):
+        if not kv.seat(req, reserve):
             self.refused += 1
             assert req.pages == [] and req.hit is None and req.kv_len == 0
             assert kv.pages.available < need, "refused though the pages were there"
@@ -391,7 +391,7 @@ A10 = [7, 1, 8, 2, 8, 1, 8, 2, 8, 4]  # ten tokens: two full pages of four and h
 
 def _run_and_retire(kv: KVManager, pool: FakePool, tokens: list[int]) -> Req:
     req = make_req("a", tokens)
-    assert kv.admit(req, reserve=0)
+    assert kv.seat(req, reserve=0)
     compute(kv, pool, [req], req, len(tokens))
     kv.release(req)
     return req
@@ -401,7 +401,7 @@ def _run_and_retire(kv: KVManager, pool: FakePool, tokens: list[int]) -> Req:
 def test_a_partly_filled_page_is_copied_on_write(extra: list[int]) -> None:
     kv, pool = make_manager(8, 4)
     a = make_req("a", A10)
-    assert kv.admit(a, reserve=0)
+    assert kv.seat(a, reserve=0)
     compute(kv, pool, [a], a, 10)
     a_pages = list(a.pages)
     kv.release(a)
@@ -409,7 +409,7 @@ def test_a_partly_filled_page_is_copied_on_write(extra: list[int]) -> None:
     assert len(cached) == 10 and kv.pages.refs(a_pages[2]) == 2  # positions 8, 9 of its third page
 
     b = make_req("b", A10 + extra)
-    assert kv.admit(b, reserve=0)
+    assert kv.seat(b, reserve=0)
     hit = 10 if extra else 9  # NOTE: the last prompt token is always computed
     assert b.hit is not None and b.hit.length == b.kv_len == hit
     assert b.pages[:2] == a_pages[:2], "the two full pages are shared, not copied"
@@ -435,7 +435,7 @@ def test_a_straddled_page_is_copied_not_shared() -> None:
     x = [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 0, 2]
     _run_and_retire(kv, pool, x[:6])  # its second page holds positions 4, 5 of `x`
     b = make_req("b", x[:10])
-    assert kv.admit(b, reserve=0) and b.kv_len == 6  # copies 4, 5 into its own page, writes 6+
+    assert kv.seat(b, reserve=0) and b.kv_len == 6  # copies 4, 5 into its own page, writes 6+
     compute(kv, pool, [b], b, 10)
     kv.release(b)
     cached = check(kv, pool, [])
@@ -443,7 +443,7 @@ def test_a_straddled_page_is_copied_not_shared() -> None:
     assert len({s // 4 for s in block}) == 2, "positions 4..7 come from two requests' pages"
 
     c = make_req("c", x)
-    assert kv.admit(c, reserve=0) and c.kv_len == 10
+    assert kv.seat(c, reserve=0) and c.kv_len == 10
     layout = kv.prefix.layout(c.hit)
     assert isinstance(layout[0], int) and isinstance(layout[1], list) and len(layout[1]) == 4
     assert c.pages[0] == cached[(x[0],)] // 4, "the whole first page is shared"
@@ -470,7 +470,7 @@ def test_layout_shares_only_whole_aligned_pages() -> None:
 def test_releasing_a_request_twice_raises(reason: str) -> None:
     kv, pool = make_manager(8, 4)
     req = make_req("a", A10)
-    assert kv.admit(req, reserve=0)
+    assert kv.seat(req, reserve=0)
     compute(kv, pool, [req], req, 10)
     req.finish_reason = reason  # type: ignore[assignment]
     kv.release(req)
@@ -481,7 +481,7 @@ def test_releasing_a_request_twice_raises(reason: str) -> None:
 def test_a_page_table_or_hit_released_twice_raises() -> None:
     kv, pool = make_manager(8, 4)
     req = make_req("a", A10)
-    assert kv.admit(req, reserve=0)
+    assert kv.seat(req, reserve=0)
     pages, hit = list(req.pages), req.hit
     compute(kv, pool, [req], req, 10)
     req.finish_reason = "error"  # nothing cached: every page of its table is free again
@@ -519,28 +519,28 @@ def _state(kv: KVManager) -> tuple:
 def test_a_refused_admission_changes_nothing_when_nothing_is_evictable() -> None:
     kv, pool = make_manager(4, 4)
     a = make_req("a", A10)  # three pages, running, its prompt published
-    assert kv.admit(a, reserve=0)
+    assert kv.seat(a, reserve=0)
     compute(kv, pool, [a], a, 10)
     kv.publish(a)
     before, lookups = _state(kv), kv.prefix.lookups
     b = make_req("b", A10[:8] + [0] * 8)  # hits 8 tokens (two shared pages), needs two more
-    assert not kv.admit(b, reserve=0)
+    assert not kv.seat(b, reserve=0)
     assert b.pages == [] and b.hit is None
     assert _state(kv) == before and kv.prefix.lookups == lookups
     check(kv, pool, [a])
-    assert kv.admit(make_req("c", A10[:8] + [0]), reserve=0), "one page more fits"
+    assert kv.seat(make_req("c", A10[:8] + [0]), reserve=0), "one page more fits"
 
 
 def test_a_refused_admission_keeps_the_cache() -> None:
     """An admission that cannot fit even after evicting everything leaves the cache as it was."""
     kv, pool = make_manager(4, 4)
     a = make_req("a", [1] * 8)  # two pages, running
-    assert kv.admit(a, reserve=0)
+    assert kv.seat(a, reserve=0)
     compute(kv, pool, [a], a, 8)
     _run_and_retire(kv, pool, [2] * 4)  # one page, cached, nobody runs on it
     before = _state(kv)
     assert kv.pages.available == 1 and kv.prefix.tree.evictable_tokens == 4
     b = make_req("b", [3] * 12)  # three pages: more than free + evictable
-    assert not kv.admit(b, reserve=0)
+    assert not kv.seat(b, reserve=0)
     check(kv, pool, [a])
     assert _state(kv) == before, "a refused admission evicted the cache for nothing"

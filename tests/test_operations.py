@@ -175,7 +175,7 @@ def test_drain_ends_a_pause_and_fails_pending_operations(tiny_weights_dir, promp
     d.operate(ops.FlushCache(), "flush")  # NOTE: queued behind the pause
     d.admin.on_drain()
     assert [a.failure.kind for a in d.answers if a.failure] == ["shutting_down"] * 2
-    assert d.sched.admitting and d.sched.stepping
+    assert d.sched.seating and d.sched.stepping
     d.finish()
     assert d.finish_reason("r0") == "length"
 
@@ -238,7 +238,7 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_keep_serving(
     d.finish()
     want = reference_greedy(tiny_model(tiny_weights_dir), prompts[0], N_TOKENS)
     assert tokens(d.outs["r0"]) == want
-    assert d.admin.weights_version == 0 and d.sched.admitting
+    assert d.admin.weights_version == 0 and d.sched.seating
 
 
 def _reference_with_adapter(base_dir: Path, adapter: Path, prompt: list[int]) -> list[int]:

@@ -353,7 +353,7 @@ def test_admission_leaves_a_page_for_every_decoding_request(llama):
     """A request is admitted only beside a free page per decoding request (their next tokens'),
     so an admission never forces a preemption at the next decode step."""
     sched = make_scheduler(llama, max_total_tokens=48 * 16, page_size=16, disable_radix_cache=True)
-    admit, seen = sched.kv.admit, []
+    admit, seen = sched.kv.seat, []
 
     def watched(req, reserve):
         ok = admit(req, reserve)
@@ -361,7 +361,7 @@ def test_admission_leaves_a_page_for_every_decoding_request(llama):
             seen.append((sched.kv.pages.available, sched.running.n_decode))
         return ok
 
-    sched.kv.admit = watched
+    sched.kv.seat = watched
     rng = random.Random(8)
     arrivals: dict = {}
     for i in range(24):

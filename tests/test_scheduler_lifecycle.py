@@ -209,14 +209,14 @@ def test_failed_admission_keeps_deferred_requests(llama):
     sched.submit("first", shared + [1], greedy(4))
     sched.submit("waits", shared + [2], greedy(4))  # deferred: shares 200 tokens with "first"
     sched.submit("boom", random_prompt(rng, 40), greedy(4))
-    real_admit = sched.kv.admit
+    real_admit = sched.kv.seat
 
     def admit(req, reserve):
         if req.rid == "boom":
             raise RuntimeError("admission failed")
         return real_admit(req, reserve)
 
-    sched.kv.admit = admit  # type: ignore[method-assign]
+    sched.kv.seat = admit  # type: ignore[method-assign]
     outs = sched.step()
     assert {o.rid: o.finish_reason for o in outs} == dict.fromkeys(
         ("first", "waits", "boom"), "error"
