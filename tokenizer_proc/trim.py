@@ -17,41 +17,20 @@ the threshold, so every large buffer is its own mapping and goes back to the OS 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-from collections.abc import Callable
 from concurrent.futures import Executor
+
+from engine import heap
 
 LARGE_FRAME_BYTES = 1 << 20
 TRIM_DELAY_S = 1.0
-MMAP_THRESHOLD_BYTES = 256 << 10
-_M_MMAP_THRESHOLD = -3  # NOTE: glibc's mallopt parameter number (malloc.h)
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
-def keep_large_blocks_mapped() -> bool:
-    """Serve blocks over MMAP_THRESHOLD_BYTES from their own mappings; False where not glibc."""
-    mallopt = getattr(_libc(), "mallopt", None)
-    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-
-
-def _malloc_trim() -> Callable[[], object] | None:
-    """glibc's malloc_trim, or None where there is none (macOS, musl)."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    return (lambda: trim(0)) if trim is not None else None
+# NOTE: the heap's calls live on the ground floor (engine/heap.py): the scheduler trims too.
+keep_large_blocks_mapped = heap.keep_large_blocks_mapped
 
 
 class Trimmer:
     def __init__(self, pool: Executor) -> None:
         self._pool = pool
-        self._trim = _malloc_trim()
+        self._trim = heap.malloc_trim()
         self._pending = False
 
     def saw(self, nbytes: int) -> None:
