@@ -259,10 +259,14 @@ class EngineConfig:
         return list(dataclasses.fields(cls))
 
 
+# NOTE: an mlx-lm adapter directory's files (scheduler_proc/weights.py loads them)
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
+
+
 def _check_adapter_dir(path: str) -> None:
     from pathlib import Path
 
-    for name in ("adapter_config.json", "adapters.safetensors"):
+    for name in ADAPTER_FILES:
         if not (Path(path).expanduser() / name).is_file():
             raise ValueError(f"adapter_path: {path} has no {name} (an mlx-lm adapter directory)")
 

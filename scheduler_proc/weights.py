@@ -23,12 +23,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from engine.config import EngineConfig
+from engine.config import ADAPTER_FILES, EngineConfig
 from engine.errors import EngineError, InvalidRequest
 
 log = logging.getLogger("scheduler")
 
-ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
 MISMATCHES_SHOWN = 3
 
 

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest, Unauthorized
 from engine.messages import admin as ops
 from tokenizer_proc.core import NO_TOKEN, FrontDoor
-from tokenizer_proc.http_errors import error_body, json_response, status_of
+from tokenizer_proc.http_errors import error_object, json_response
 from tokenizer_proc.operations import Operations
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -77,11 +77,7 @@ class AdminApi:
 
 
 def _failure(e: EngineError) -> web.Response:
-    field = e.field if isinstance(e, InvalidRequest) else None
-    message = e.message if isinstance(e, InvalidRequest) else str(e)
-    status = status_of(e)
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    error = msgspec.json.decode(error_body(message, kind, field))["error"]
+    status, error = error_object(e)
     body = {"success": False, "message": str(e), "error": error}
     return json_response(msgspec.json.encode(body), status)
 

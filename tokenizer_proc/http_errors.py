@@ -62,11 +62,17 @@ def anthropic_error(message: str, status: int) -> web.Response:
     return json_response(msgspec.json.encode(body), status)
 
 
-def error_response(e: EngineError) -> web.Response:
+def error_object(e: EngineError) -> tuple[int, dict[str, Any]]:
+    """An engine error's HTTP status and OpenAI's error object for it."""
     status, kind, code = STATUS.get(type(e), (500, "server_error", None))
     param = e.field if isinstance(e, InvalidRequest) else None
     message = e.message if isinstance(e, InvalidRequest) else str(e)
-    return json_response(error_body(message, kind, param, code), status)
+    return status, {"message": message, "type": kind, "param": param, "code": code}
+
+
+def error_response(e: EngineError) -> web.Response:
+    status, error = error_object(e)
+    return json_response(msgspec.json.encode({"error": error}), status)
 
 
 def json_response(body: bytes, status: int = 200) -> web.Response:
