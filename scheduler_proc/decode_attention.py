@@ -251,7 +251,7 @@ class Counts:
     calls: int = 0
     masked: int = 0
     prefill_ops: int = 0  # prompt-chunk attention calls run by `prefill_attention`
-    prefill_causal: int = 0  # lone long chunks' calls run by the fast op's causal kernel
+    prefill_causal: int = 0  # prompt-chunk calls by the fast op's causal kernel (first, lone long)
     split: int = 0  # fused calls whose rows' keys take the split path (its own kernels)
 
 

@@ -65,6 +65,7 @@ class _RowView:
 
     lengths = None  # NOTE: no padding, so recurrent layers take mlx-lm's unmasked path
     by_ops = False  # NOTE: one row, mlx-lm's own masks and attention
+    fresh = False  # NOTE: its keys are read back (a slice when its pages are one run)
 
     def __init__(self, pool: KVPool, slot: int, table: list[int], start: int, n: int = 1) -> None:
         self.pool, self.slot, self.table, self.offset = pool, slot, table, start
@@ -144,6 +145,11 @@ class _RaggedView:
         # bottom-right causal kernel). Its keys are always gathered: cuDNN builds a graph per
         # shape and strides, and a slice of the pool has other strides than the warm-up's.
         self.causal = causal and one and plan.starts[0] + plan.width == kv_len
+        # NOTE: `fresh`: every row starts at position 0, so a full layer's keys are the chunk's
+        # own, right-padded; a causal mask is exact for every real query (padding only follows
+        # it) and nothing needs gathering back from the pages. One shape per (rows, width).
+        self.fresh = plan.width > 1 and not any(plan.starts)
+        self._full_keys = plan.width if self.fresh else kv_len
         run = one and not self.causal
         self._run = run and contiguous_run(plan.tables[0], pool.pages_for(kv_len))
         self._masks: dict[tuple[int | None, int | None], mx.array] = {}
@@ -230,13 +236,14 @@ class _RaggedView:
     ) -> mx.array | str | None:
         if self.fused and ring is None:
             return None  # NOTE: unused: the fused kernel bounds each row by its length
-        if self.causal and ring is None and window_size is None and not return_array:
+        causal = self.causal or self.fresh
+        if causal and ring is None and window_size is None and not return_array:
             return "causal"
         # NOTE: one mask per window size: a model with sliding and full layers asks for both.
         key = (window_size, ring)
         if key not in self._masks:
             if ring is None:
-                mask = ragged_mask(self.offset, self._t, self.length, window_size)
+                mask = ragged_mask(self.offset, self._t, self._full_keys, window_size)
             else:
                 keys = min(ring, self.length)
                 mask = ring_mask(self.offset, self._ends, self._t, keys, ring, window_size)
@@ -474,6 +481,8 @@ class KVPool:
         if ring is None:
             self.keys[layer] = view.write(self.keys[layer], k)
             self.values[layer] = view.write(self.values[layer], v)
+            if view.fresh:
+                return k, v
             return view.read(self.keys[layer], n), view.read(self.values[layer], n)
         self.keys[layer] = view.write_ring(self.keys[layer], k, ring)
         self.values[layer] = view.write_ring(self.values[layer], v, ring)

@@ -323,7 +323,7 @@ class Runner:
             for n, width in pairs:
                 longer = kv_len > lad.pad_kv(width)
                 if longer and n * width * kv_len <= scores_limit and n * kv_len <= held:
-                    yield self._warm_prefill(n, width, kv_len)
+                    yield self._warm_prefill(n, width, kv_len, start=kv_len - width)
 
     def _warm_long_chunks(self, held: int):
         """Lone causal chunks (`prefill_attention.long_chunk`): keys at every multiple of the
@@ -352,12 +352,16 @@ class Runner:
         # gathers the scratch page: nothing in use changes.
         return mx.zeros((n, 1), mx.int32), self._pad_plan(n, 1), kv_len
 
-    def _warm_prefill(self, n: int, width: int, kv_len: int) -> tuple[mx.array, StepRows, int]:
-        return mx.zeros((n, width), mx.int32), self._pad_plan(n, width), kv_len
+    def _warm_prefill(
+        self, n: int, width: int, kv_len: int, start: int = 0
+    ) -> tuple[mx.array, StepRows, int]:
+        """A prompt chunk's shape: a first chunk (`start` 0: its own keys, `_RaggedView.fresh`)
+        or a later one, reading `kv_len` keys from the pages."""
+        return mx.zeros((n, width), mx.int32), self._pad_plan(n, width, start), kv_len
 
-    def _pad_plan(self, n: int, width: int) -> StepRows:
+    def _pad_plan(self, n: int, width: int, start: int = 0) -> StepRows:
         slot = self.pool.scratch_slot
-        return StepRows([slot] * n, [[]] * n, [0] * n, [0] * n, width=width)
+        return StepRows([slot] * n, [[]] * n, [start] * n, [0] * n, width=width)
 
 
 def _pad_masks(allowed: np.ndarray, n: int) -> np.ndarray:

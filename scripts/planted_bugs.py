@@ -88,6 +88,18 @@ BUGS = (
         "pos = np.asarray(plan.starts)[:, None] + t\n",
         "pos = np.asarray(plan.starts)[:, None] + t + 1\n",
     ),
+    Bug(
+        "a step with first and later chunks takes the first chunks' own-keys path",
+        "scheduler_proc/kv_cache.py",
+        "self.fresh = plan.width > 1 and not any(plan.starts)",
+        "self.fresh = plan.width > 1 and not min(plan.starts)",
+    ),
+    Bug(
+        "first chunks attend to their own keys without the causal mask",
+        "scheduler_proc/kv_cache.py",
+        '            return "causal"\n',
+        '            return None if self.fresh else "causal"\n',
+    ),
     # -- page tables ----------------------------------------------------------------------------
     Bug(
         "page table off by one: a batched write takes the next entry of its table",

@@ -269,6 +269,37 @@ def test_long_prompts_later_chunks_run_alone_by_the_causal_kernel(llama, warm):
     assert decode_attention.counts.prefill_causal - before >= len(lone) * 2  # NOTE: 2 layers
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["bucketed", "exact"])
+def test_first_chunks_attend_to_their_own_keys(llama, warm):
+    """A step of first chunks (every row from position 0) of different lengths, right-padded to
+    one width: each attends to its own keys by a causal mask, none read back from the pages;
+    every token as mlx-lm's, later chunks and decode reading what those steps wrote."""
+    rng = random.Random(16)
+    reqs = [(f"r{i}", random_prompt(rng, n), 6, 0) for i, n in enumerate([5, 17, 31, 40, 90])]
+    # NOTE: arriving while the long ones are in their later chunks: steps that mix both kinds
+    reqs += [(f"late{i}", random_prompt(rng, n), 6, 1 + i) for i, n in enumerate([9, 26])]
+    sched = make_scheduler(llama, chunked_prefill_size=32, max_prefill_tokens=256)
+    if warm:
+        bucketed(sched)
+    assert decode_attention.install(llama)  # NOTE: counts the attention calls (as on CUDA)
+    before = decode_attention.counts.prefill_causal
+    firsts: list[int] = []
+    mixed = 0
+
+    def on_launch(batch) -> None:
+        nonlocal mixed
+        starts = [c.start for c in batch.chunks]
+        if starts and not any(starts):
+            firsts.append(len(starts))
+        mixed += 0 in starts and any(starts)
+
+    sched.on_launch = on_launch
+    _parity(sched, llama, reqs)
+    assert firsts and max(firsts) > 1, "no step of several first chunks"
+    assert mixed, "no step with first and later chunks"
+    assert decode_attention.counts.prefill_causal - before >= len(firsts) * 2  # NOTE: 2 layers
+
+
 def test_short_prompts_are_not_held_behind_a_long_one(llama):
     """Long prompts being prefilled in many chunks do not hold back the first tokens of short
     prompts that arrive after them."""
