@@ -13,11 +13,12 @@ import queue
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from engine import control_token
 from engine.client_operations import Operations, wait_for
 from engine.errors import EngineDead, EngineError, Timeout
+from engine.generate_options import GenerateOptions, generate_message
 from engine.messages import admin as ops
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
@@ -26,10 +27,14 @@ from engine.results import GenerateResult, StreamChunk
 from engine.transport import Sink, Transport
 from engine.wire_errors import to_exception
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # NOTE: typing's own from Python 3.11; only for checking
+
 DEFAULT_ADDRESS = "tcp://127.0.0.1:30001"
 HEALTH_GENERATE_WAIT_S = tt.HEALTH_GENERATE_TIMEOUT_S + tt.REPLY_SLACK_S
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
 R = TypeVar("R", bound=tc.ToClient)
+S = TypeVar("S", Iterator[StreamChunk], AsyncIterator[StreamChunk])
 # NOTE: every client call but Ping / Goodbye (the transport's own) carries a rid to answer to.
 Call = (
     tt.Hello
@@ -59,21 +64,8 @@ def _rid(rid: str | None = None) -> str:
     return rid or uuid.uuid4().hex
 
 
-def _generate_msg(
-    prompt: str | None,
-    messages: list[dict[str, Any]] | None,
-    input_ids: list[int] | None,
-    rid: str | None,
-    sampling: dict[str, Any],
-    tools: list[dict[str, Any]] | None = None,
-) -> tt.Generate:
-    # NOTE: tool_choice and parallel_tool_calls ride with the sampling keywords, as over HTTP
-    sampling = dict(sampling)
-    choice = sampling.pop("tool_choice", None)
-    parallel = sampling.pop("parallel_tool_calls", True)
-    msg = tt.Generate(_rid(rid), prompt, messages, input_ids, sampling, tools)
-    msg.tool_choice, msg.parallel_tool_calls = choice, parallel
-    return msg
+def _request(prompt: str | None, options: GenerateOptions) -> tuple[tt.Generate, float | None]:
+    return generate_message(prompt, options, _rid()), _deadline(options.get("timeout"))
 
 
 def _expect(msg: tc.ToClient, reply: type[R]) -> R:
@@ -104,8 +96,9 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-class _Client:
-    """What both clients share: settings, the transport, and every call's message and reply."""
+class _Client(Generic[S]):
+    """What both clients share: settings, the transport, every call's message and reply, and
+    `stream` (S: its iterator, blocking or async)."""
 
     def __init__(
         self,
@@ -126,6 +119,21 @@ class _Client:
 
     def _started(self) -> None:
         """Called at the end of __init__ (the blocking client says hello there)."""
+
+    def stream(self, prompt: str | None = None, **options: Unpack[GenerateOptions]) -> S:
+        """The request's chunks as they come (`options`: `GenerateOptions`); a caller that stops
+        reading aborts the request."""
+        return self._stream(*_request(prompt, options))
+
+    def _stream(self, msg: tt.Generate, deadline: float | None) -> S:
+        raise NotImplementedError
+
+    def _ended(self, rid: str, finished: bool) -> None:
+        """A stream is closed: its replies go nowhere now, and a caller that stopped reading
+        before the last chunk frees the engine's work too."""
+        self._t.unregister(rid)
+        if not finished:
+            _abort_quietly(self._t, rid)
 
     def _hello(self) -> tt.Hello:
         return tt.Hello(_rid(), PROTOCOL_VERSION, self._key)
@@ -149,7 +157,7 @@ class _Client:
         return EngineDead(f"no engine answers at {self.address}")
 
 
-class EngineClient(_Client, Operations[dict[str, Any]]):
+class EngineClient(_Client[Iterator[StreamChunk]], Operations[dict[str, Any]]):
     """Blocking client; safe to share between threads (each call has its own reply queue)."""
 
     def _started(self) -> None:
@@ -163,40 +171,14 @@ class EngineClient(_Client, Operations[dict[str, Any]]):
             raise
 
     def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        rid: str | None = None,
-        timeout: float | None = None,
-        **sampling: Any,
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
-        """One request to completion. `tools` (OpenAI-style specs, `{"type": "function",
-        "function": {"name": ..., ...}}`) go to the chat template with `messages`, as over HTTP;
-        the model's tool calls come back parsed in `tool_calls` (OpenAI's shape), out of `text`.
-        `tool_choice="required"` or `{"type": "function", "function": {"name": ...}}` forces a
-        call (arguments held to the tool's schema); `parallel_tool_calls=False` allows one."""
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
+        """One request to completion; `options` are `GenerateOptions` (engine/generate_options.py)."""
+        msg, deadline = _request(prompt, options)
         result = GenerateResult(msg.rid)
-        for chunk in self._stream(msg, _deadline(timeout)):
+        for chunk in self._stream(msg, deadline):
             result.add(chunk)
         return result
-
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        rid: str | None = None,
-        timeout: float | None = None,
-        **sampling: Any,
-    ) -> Iterator[StreamChunk]:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
-        return self._stream(msg, _deadline(timeout))
 
     def _stream(self, msg: tt.Generate, deadline: float | None) -> Iterator[StreamChunk]:
         replies: queue.SimpleQueue[tc.ToClient] = queue.SimpleQueue()
@@ -209,9 +191,7 @@ class EngineClient(_Client, Operations[dict[str, Any]]):
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            self._t.unregister(msg.rid)
-            if not finished:  # NOTE: a caller that stops reading frees the engine's work too
-                _abort_quietly(self._t, msg.rid)
+            self._ended(msg.rid, finished)
 
     def abort(self, rid: str) -> None:
         self._call(tt.AbortRequest(_rid(), rid), tc.Ack)
@@ -267,7 +247,7 @@ class EngineClient(_Client, Operations[dict[str, Any]]):
             raise Timeout("no answer from the engine within the deadline") from None
 
 
-class AsyncEngineClient(_Client, Operations[Awaitable[dict[str, Any]]]):
+class AsyncEngineClient(_Client[AsyncIterator[StreamChunk]], Operations[Awaitable[dict[str, Any]]]):
     """The same calls as coroutines and async iterators, for asyncio programs."""
 
     info: tc.Welcome | None = None
@@ -284,35 +264,13 @@ class AsyncEngineClient(_Client, Operations[Awaitable[dict[str, Any]]]):
         return self
 
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        rid: str | None = None,
-        timeout: float | None = None,
-        **sampling: Any,
+        self, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
+        msg, deadline = _request(prompt, options)
         result = GenerateResult(msg.rid)
-        async for chunk in self._stream(msg, _deadline(timeout)):
+        async for chunk in self._stream(msg, deadline):
             result.add(chunk)
         return result
-
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: list[int] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        rid: str | None = None,
-        timeout: float | None = None,
-        **sampling: Any,
-    ) -> AsyncIterator[StreamChunk]:
-        msg = _generate_msg(prompt, messages, input_ids, rid, sampling, tools)
-        return self._stream(msg, _deadline(timeout))
 
     async def _stream(self, msg: tt.Generate, deadline: float | None) -> AsyncIterator[StreamChunk]:
         await self.connect()
@@ -325,9 +283,7 @@ class AsyncEngineClient(_Client, Operations[Awaitable[dict[str, Any]]]):
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
-            self._t.unregister(msg.rid)
-            if not finished:  # NOTE: a caller that stops reading frees the engine's work too
-                _abort_quietly(self._t, msg.rid)
+            self._ended(msg.rid, finished)
 
     async def abort(self, rid: str) -> None:
         await self._call(tt.AbortRequest(_rid(), rid), tc.Ack)
