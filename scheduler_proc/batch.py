@@ -33,7 +33,7 @@ class Batch:
 
     decode: list[Req] = field(default_factory=list)
     joined: list[Req] = field(default_factory=list)
-    chunks: list[PromptSlice] = field(default_factory=list)
+    slices: list[PromptSlice] = field(default_factory=list)
     sampler: SamplerState | None = None
     chained: bool = False
     step_index: int = -1  # stamped by prepare_launch
@@ -51,11 +51,11 @@ class Batch:
 
     @property
     def is_prefill(self) -> bool:
-        return bool(self.chunks)
+        return bool(self.slices)
 
     @property
     def pure_decode(self) -> bool:
-        return bool(self.decode) and not self.joined and not self.chunks
+        return bool(self.decode) and not self.joined and not self.slices
 
     def reqs(self) -> list[Req]:
-        return self.rows + [c.req for c in self.chunks]
+        return self.rows + [c.req for c in self.slices]

@@ -26,7 +26,7 @@ PREFILL_SCORES_MAX = 1 << 28
 
 @dataclass(frozen=True)
 class PrefillPlanner:
-    chunk: int  # --chunked-prefill-size: most tokens of one request per step
+    chunk_size: int  # --chunked-prefill-size: most tokens of one request per step
     budget: int  # --max-prefill-tokens: most padded tokens per step
     heads: int  # the model's query heads (attention scores per token pair)
     uniform: bool = False  # equal unpadded chunks (a model whose state absorbs padding)
@@ -64,7 +64,7 @@ class PrefillPlanner:
         rest = []
         for req, n in plan:
             start = req.prefilled
-            if decoding and start == 0 and room(req) > self.chunk:
+            if decoding and start == 0 and room(req) > self.chunk_size:
                 continue
             if not aligned(start, 1, w):
                 rest.append((req, min(n, w - start % w) if start % w else n))
@@ -76,7 +76,7 @@ class PrefillPlanner:
     def _plan(self, todo: list[Req], ladders: Ladders) -> list[tuple[Req, int]]:
         # NOTE: prompts whose rest fits one chunk first (in arrival order), then longer ones: 4
         # prompts of 30k tokens ahead of 64 chats on an H200 held the chats' first tokens 27 s.
-        todo = sorted(todo, key=lambda r: room(r) > self.chunk)
+        todo = sorted(todo, key=lambda r: room(r) > self.chunk_size)
         if self.uniform:
             natural = lambda r: self._natural_chunk(r, ladders)  # noqa: E731
             return self._fit_scores(_uniform_chunks(todo, natural, self.budget), ladders)
@@ -101,7 +101,7 @@ class PrefillPlanner:
         bound (8.4M scores a head) cost ~70 ms a step, each after one 8-10 ms decode step, so
         the chats' inter-token p50 went from 7 to 50 ms (p99 8 to 75 ms).
         """
-        short = [(r, n) for r, n in plan if ladders.pad_kv(r.prefilled + n) <= self.chunk]
+        short = [(r, n) for r, n in plan if ladders.pad_kv(r.prefilled + n) <= self.chunk_size]
         return short or self._fit_scores(plan, ladders, limit)
 
     def _fit_scores(
@@ -128,7 +128,7 @@ class PrefillPlanner:
     def _natural_chunk(self, req: Req, ladders: Ladders) -> int:
         """A row's chunk in a step without padding: the most it may run, down to a ladder width
         (a bucketed shape) when there is one, else its whole rest."""
-        n = min(room(req), self.chunk)
+        n = min(room(req), self.chunk_size)
         if ladders.exact:
             return n
         fits = [w for w in ladders.widths if w <= n]

@@ -109,7 +109,7 @@ class Runner:
         """Build the batch's one forward and queue it; nothing here blocks. `defer_sample`: the
         forward only, its sampling left to `sample_deferred` (its token masks are not known yet)."""
         if batch.is_prefill:
-            self._prefill(batch, batch.chunks)
+            self._prefill(batch, batch.slices)
         else:
             assert decode_inputs is not None, "a decode step has input tokens"
             logits = self._decode_logits(batch, decode_inputs)

@@ -84,13 +84,13 @@ class Scheduler:
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
         on_cpu = mx.default_device() == mx.cpu
-        self.chunk, self.prefill_budget = prefill_sizes(config, on_cpu)
+        self.chunk_size, self.prefill_budget = prefill_sizes(config, on_cpu)
         self.kv_plan = plan_kv(
             config,
             bytes_per_token([s for s in layout.kv if s.window is None]) or 1,
             max_pos,
             weights_bytes(model),
-            slot_bytes=_slot_bytes(layout, self.chunk, config.context_length or max_pos)
+            slot_bytes=_slot_bytes(layout, self.chunk_size, config.context_length or max_pos)
             # NOTE: with the prefix cache, one snapshot per slot is budgeted beside it.
             * (1 if config.disable_radix_cache else 2),
             # NOTE: a CUDA device's memory is the engine's; elsewhere the KV shares it.
@@ -106,14 +106,14 @@ class Scheduler:
             plan.page_size,
             plan.slots,
             plan.context,
-            self.chunk,
+            self.chunk_size,
             capacity=plan.pages,
         )
         prefix = not config.disable_radix_cache
         self.kv = KVManager(self.pool, prefix, snapshots=plan.slots)
         self.prefix = self.kv.prefix  # NOTE: None when the cache is off
         self.running = RunningTable(plan.slots)
-        self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk, exact=on_cpu)
+        self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk_size, exact=on_cpu)
         self.runner = Runner(
             model,
             self.pool,
@@ -125,7 +125,7 @@ class Scheduler:
         )
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
-            self.chunk,
+            self.chunk_size,
             self.prefill_budget,
             heads,
             uniform=self.runner.uniform_prefill,
@@ -319,7 +319,7 @@ class Scheduler:
             "shapes_seen": len(self.runner.shapes_seen),
             "shapes_warmed": self.runner.shapes_warmed,
             "warm_up_s": round(self.warm_up_s, 3),
-            "chunked_prefill_size": self.chunk,
+            "chunked_prefill_size": self.chunk_size,
             "max_prefill_tokens": self.prefill_budget,
             "long_prefill_scores": self.planner.beside_decode or 0,
             "long_prefill_chunk": self.planner.long_chunk or 0,
@@ -490,10 +490,10 @@ class Scheduler:
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
         if not (self._prefill_last and (decoding or ready)):
-            chunks = self._plan_chunks()
-            if chunks:
+            slices = self._plan_slices()
+            if slices:
                 self._prefill_last = True
-                return Batch(chunks=chunks)
+                return Batch(slices=slices)
         self._prefill_last = False
         self._make_room()
         rows = self.running.decoding()
@@ -588,24 +588,24 @@ class Scheduler:
         self._waiting.appendleft(req)
         self._counters["requests_preempted"] += 1
 
-    def _plan_chunks(self) -> list[PromptSlice]:
+    def _plan_slices(self) -> list[PromptSlice]:
         todo = [r for r in self.running.prefilling() if body_left(r) > 0]
         if not todo:
             return []
         decoding = bool(self.running.n_decode)
-        return self._chunks(self.planner.plan(todo, self.ladders, decoding))
+        return self._slices(self.planner.plan(todo, self.ladders, decoding))
 
-    def _chunks(self, plan: list[tuple[Req, int]]) -> list[PromptSlice]:
-        chunks = []
+    def _slices(self, plan: list[tuple[Req, int]]) -> list[PromptSlice]:
+        slices = []
         for req, n in plan:
-            chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))
+            slices.append(PromptSlice(req, req.prefilled, req.prefilled + n))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
             if due(req):
                 self._to_publish.append(req)
             elif req.prefilled == req.snap_at:
                 self._to_snapshot.append(req)
-        return chunks
+        return slices
 
     # -- results -----------------------------------------------------------------------------
     def _finalize(self, batch: Batch) -> None:
@@ -721,7 +721,7 @@ def _slot_bytes(layout: Layout, chunk: int, context: int | None) -> int:
 
 def _describe(batch: Batch) -> str:
     if batch.is_prefill:
-        return f"prefill {len(batch.chunks)} chunks, {sum(c.end - c.start for c in batch.chunks)} tokens"
+        return f"prefill {len(batch.slices)} chunks, {sum(c.end - c.start for c in batch.slices)} tokens"
     kind = "chained" if batch.chained else "fresh"
     return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
 

@@ -265,8 +265,8 @@ BUGS = (
     Bug(
         "prefill chunk starts at 0 instead of the cached length",
         "scheduler_proc/scheduler.py",
-        "chunks.append(PromptSlice(req, req.prefilled, req.prefilled + n))",
-        "chunks.append(PromptSlice(req, 0, n))",
+        "slices.append(PromptSlice(req, req.prefilled, req.prefilled + n))",
+        "slices.append(PromptSlice(req, 0, n))",
     ),
     # -- prompt-chunk attention, warm-up, in-place copies ------------------------------------
     Bug(

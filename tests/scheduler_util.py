@@ -41,7 +41,7 @@ def bucketed(sched: Scheduler, warm: bool = True) -> Scheduler:
     from scheduler_proc.shapes import Ladders
 
     slots, context = sched.running.slots, sched.max_context
-    sched.ladders = sched.runner.ladders = Ladders.for_pool(slots, context, sched.chunk)
+    sched.ladders = sched.runner.ladders = Ladders.for_pool(slots, context, sched.chunk_size)
     if warm:
         limit = sched.planner.scores_limit
         sched.runner.warm_up(sched.prefill_budget, deadline_s=600.0, scores_limit=limit)

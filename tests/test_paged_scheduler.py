@@ -179,10 +179,10 @@ def test_long_prompts_take_narrower_chunks_as_their_keys_grow(llama, monkeypatch
     widths: list[int] = []
 
     def on_launch(batch) -> None:
-        if batch.chunks:
-            width = max(c.end - c.start for c in batch.chunks)
-            keys = max(c.end for c in batch.chunks)
-            assert len(batch.chunks) * width * keys <= limit or width <= 16
+        if batch.slices:
+            width = max(c.end - c.start for c in batch.slices)
+            keys = max(c.end for c in batch.slices)
+            assert len(batch.slices) * width * keys <= limit or width <= 16
             widths.append(width)
 
     sched.on_launch = on_launch
@@ -210,15 +210,15 @@ def test_long_prompts_later_chunks_stay_small_while_others_decode(llama):
     short: list[int] = []
 
     def on_launch(batch) -> None:
-        if not batch.chunks:
+        if not batch.slices:
             return
-        width = max(c.end - c.start for c in batch.chunks)
-        keys = max(c.end for c in batch.chunks)
-        scores = len(batch.chunks) * width * keys
+        width = max(c.end - c.start for c in batch.slices)
+        keys = max(c.end for c in batch.slices)
+        scores = len(batch.slices) * width * keys
         if keys <= chunk:
             short.append(scores)
         elif sched.running.n_decode:
-            assert all(c.end > chunk for c in batch.chunks), "a short chunk in a long one's step"
+            assert all(c.end > chunk for c in batch.slices), "a short chunk in a long one's step"
             assert scores <= limit or width <= 16
             beside.append(width)
         else:
@@ -254,9 +254,9 @@ def test_long_prompts_later_chunks_run_alone_by_the_causal_kernel(llama, warm):
     lone: list[tuple[int, int]] = []
 
     def on_launch(batch) -> None:
-        for c in batch.chunks:
+        for c in batch.slices:
             if c.start and c.start % w == 0:
-                assert len(batch.chunks) == 1, "a lone chunk in a step with others"
+                assert len(batch.slices) == 1, "a lone chunk in a step with others"
                 assert c.end - c.start <= w
                 lone.append((c.start, c.end))
             elif c.start % w:
@@ -288,7 +288,7 @@ def test_first_chunks_attend_to_their_own_keys(llama, warm):
 
     def on_launch(batch) -> None:
         nonlocal mixed
-        starts = [c.start for c in batch.chunks]
+        starts = [c.start for c in batch.slices]
         if starts and not any(starts):
             firsts.append(len(starts))
         mixed += 0 in starts and any(starts)
