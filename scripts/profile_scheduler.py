@@ -16,8 +16,10 @@ Figures users get come from `mlx-engine bench` over HTTP; this says why they are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +37,48 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", type=int, default=128)
     p.add_argument("--waves", type=int, default=2)
     p.add_argument("--set", action="append", default=[], help="EngineConfig field=value")
+    p.add_argument(
+        "--host", action="store_true", help="also split each wave's time: graph building, waiting"
+    )
     return p.parse_args()
+
+
+class HostSplit:
+    """Where the host's time goes: building and queueing graphs (`Runner.launch`, by kind),
+    waiting for the device (`_listed`, the tokens' `.tolist()`), and the rest of `step()`.
+    A step whose wait is near zero while the device idles is bound by the host."""
+
+    def __init__(self, sched) -> None:
+        import scheduler_proc.scheduler as module
+
+        self.times: dict[str, list[float]] = {}
+        launch, listed = sched.runner.launch, module._listed
+
+        def timed_launch(batch, *args, **kwargs):
+            with self.timer("build_prefill" if batch.is_prefill else "build_decode"):
+                return launch(batch, *args, **kwargs)
+
+        def timed_listed(a):
+            with self.timer("wait"):
+                return listed(a)
+
+        sched.runner.launch, module._listed = timed_launch, timed_listed
+
+    @contextlib.contextmanager
+    def timer(self, key: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times.setdefault(key, []).append(time.perf_counter() - t)
+
+    def report(self, wall: float) -> dict:
+        """Each part's total share of the wall time and its median call (ms); then reset."""
+        out = {}
+        for key, xs in sorted(self.times.items()):
+            out[key] = f"{sum(xs) / wall:.0%}, median {statistics.median(xs) * 1e3:.2f} ms"
+        self.times = {}
+        return out
 
 
 def config_from(sets: list[str]):
@@ -53,7 +96,19 @@ def config_from(sets: list[str]):
     return dataclasses.replace(defaults, **changes)  # type: ignore[arg-type]
 
 
-def wave(sched, prompts: list[list[int]], output: int, concurrency: int, tag: str) -> dict:
+def _timed_step(sched, split: HostSplit):
+    with split.timer("step"):
+        return sched.step()
+
+
+def wave(
+    sched,
+    prompts: list[list[int]],
+    output: int,
+    concurrency: int,
+    tag: str,
+    split: HostSplit | None = None,
+) -> dict:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
@@ -67,7 +122,8 @@ def wave(sched, prompts: list[list[int]], output: int, concurrency: int, tag: st
             i, p = queue.pop(0)
             sched.submit(f"{tag}-{i}", p, params)
             live += 1
-        for chunk in sched.step():
+        outs = sched.step() if split is None else _timed_step(sched, split)
+        for chunk in outs:
             tokens += len(chunk.token_ids)
             live -= chunk.finish_reason is not None
         steps += 1
@@ -79,7 +135,15 @@ def wave(sched, prompts: list[list[int]], output: int, concurrency: int, tag: st
     diff = {k: after[k] - before.get(k, 0) for k in after if k.startswith("steps_")}
     medians = {k: v for k, v in after.items() if k.startswith("step_median")}
     held = {"kv_peak_tokens": peak[0], "kv_pages_per_token": round(peak[1] / max(1, peak[0]), 3)}
-    return {"wall_s": round(wall, 2), "tok_s": round(tokens / wall), **diff, **medians, **held}
+    host = {} if split is None else {"host": split.report(wall)}
+    return {
+        "wall_s": round(wall, 2),
+        "tok_s": round(tokens / wall),
+        **diff,
+        **medians,
+        **held,
+        **host,
+    }
 
 
 def main() -> None:
@@ -107,12 +171,13 @@ def main() -> None:
     lo, hi = (int(x) for x in args.prompt.split(":"))
     rng = random.Random(0)
     vocab = sched.vocab
+    split = HostSplit(sched) if args.host else None
     for w in range(args.waves):
         prompts = [
             [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
             for _ in range(args.num_requests)
         ]
-        print(f"wave {w}:", wave(sched, prompts, args.output, args.concurrency, f"w{w}"))
+        print(f"wave {w}:", wave(sched, prompts, args.output, args.concurrency, f"w{w}", split))
     print("exit:", {k: v for k, v in sched.stats().items() if "step" in k or "decode_att" in k})
     sched.shutdown()
 
