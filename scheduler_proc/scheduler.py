@@ -44,6 +44,7 @@ from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.running import RunningTable
 from scheduler_proc.sampling import Sampled, advance
+from scheduler_proc.seating import Seating
 from scheduler_proc.shapes import Ladders
 from scheduler_proc.step_times import StepTimes
 from scheduler_proc.waiting import WaitingQueue
@@ -64,7 +65,6 @@ COUNTERS = (
     "steps_decode",  # steps whose one forward decoded rows (and prompts' last tokens)
     "requests_finished",
     "requests_aborted",
-    "requests_preempted",  # gave their pages back mid-decode; recomputed when pages free up
 )
 
 
@@ -146,6 +146,7 @@ class Scheduler:
         self._waiting = WaitingQueue()
         self._reqs: dict[str, Req] = {}
         self._touched: dict[str, Req] = {}
+        self.seats = Seating(self._waiting, self.running, self.kv, self._report)
         self._to_free: dict[str, Req] = {}
         self._to_promote: list[Req] = []
         self._to_publish: list[Req] = []  # prompt bodies written by the last prefill step
@@ -155,7 +156,6 @@ class Scheduler:
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefill_last = False  # the last fresh step was a prefill step
-        self._seatings = 0
         self.step_times = StepTimes()
         self._trim = heap.malloc_trim()
         # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
@@ -249,10 +249,7 @@ class Scheduler:
         """Every running request gives its row and pages back and waits at the front of the
         queue, in admission order, to be recomputed (its stream intact); after `quiesce()`."""
         assert self._current is None and self._next is None, "a step is in flight"
-        running = sorted(self.running.reqs, key=lambda r: r.seated, reverse=True)
-        for req in running:
-            self._preempt(req, "generation paused (retract)")
-        return len(running)
+        return self.seats.retract()
 
     def abort_all(self) -> list[str]:
         """End every request in flight, running or waiting (finish_reason "abort")."""
@@ -293,6 +290,7 @@ class Scheduler:
         prefix = self.kv.prefix
         return {
             **self._counters,
+            "requests_preempted": self.seats.preempted,
             "running": len(self.running.reqs),
             "waiting": len(self._waiting),
             "kv_tokens_in_use": self.running.tokens_in_use(),
@@ -305,6 +303,8 @@ class Scheduler:
         held = len({p for r in running for p in r.pages}) * self.pool.page_size
         return {
             **self._counters,
+            # NOTE: gave their pages back mid-decode; recomputed when pages free up
+            "requests_preempted": self.seats.preempted,
             "running": len(running),
             "decoding": self.running.n_decode,
             "waiting": len(self._waiting),
@@ -417,29 +417,7 @@ class Scheduler:
         return any(r.finished for r in nxt.decode) or self._seatable()
 
     def _seatable(self) -> bool:
-        """Whether the next waiting request could be admitted now (a slot, and pages by a
-        cheap estimate: free pages and what the prefix cache could give up), or a row given
-        back for it (`_fair_victim`)."""
-        if not self._waiting or not self.seating:
-            return False
-        req = self._waiting.peek(self.running.rows_of)
-        if self.running.free_slots > 0 and self.kv.could_free(
-            self.pool.pages_for(req.fill_len) + self.running.n_decode
-        ):
-            return True
-        return self._fair_victim(req) is not None
-
-    def _fair_victim(self, req: Req) -> Req | None:
-        """The row to give back so `req`'s client, below its share of the running rows (the rows
-        in use split among the clients running or waiting), gets one: the newest of the client
-        most above it. None when no client is above its share."""
-        rows = self.running.rows_of
-        clients = set(self._waiting.clients()) | set(self.running.clients())
-        share = max(1, len(self.running.reqs) // len(clients))
-        if rows(req.client) >= share or not self.running.reqs:
-            return None
-        heavy = self.running.heaviest()
-        return self.running.newest(heavy) if rows(heavy) > share else None
+        return self.seating and self.seats.seatable()
 
     # -- launches ----------------------------------------------------------------------------
     def prepare_launch(self, batch: Batch) -> None:
@@ -486,7 +464,7 @@ class Scheduler:
         whenever there is a row to decode.
         """
         if self.seating:
-            self._seat()
+            self.seats.seat()
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
         if not (self._prefill_last and (decoding or ready)):
@@ -495,7 +473,7 @@ class Scheduler:
                 self._prefill_last = True
                 return Batch(slices=slices)
         self._prefill_last = False
-        self._make_room()
+        self.seats.make_room()
         rows = self.running.decoding()
         joined = [r for r in self.running.prefilling() if due(r)]
         if not rows and not joined:
@@ -503,90 +481,6 @@ class Scheduler:
         batch = Batch(decode=rows, joined=joined)
         batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
         return batch
-
-    def _seat(self) -> None:
-        """Waiting requests take a slot and their pages (a cached prefix shared), fairly across
-        clients (scheduler_proc/waiting.py), while pages remain beside one per decoding request
-        for their growth. A client below its share of rows that gets none takes one from the
-        client most above it (one a step, so a flood is rebalanced without thrashing)."""
-        blocked = self._seat_waiting()
-        victim = self._fair_victim(blocked) if blocked is not None else None
-        if victim is not None:
-            self._preempt(victim, "its client holds more than its share of rows")
-            self._seat_waiting()
-
-    def _seat_waiting(self) -> Req | None:
-        """Admit what fits; returns the request that found no slot or pages (None: all were
-        admitted or are deferred)."""
-        deferred: list[Req] = []
-        rows = self.running.rows_of
-        try:
-            while self._waiting:
-                if self.running.free_slots == 0:
-                    return self._waiting.peek(rows)
-                req = self._waiting.popleft(rows)
-                if req.building is not None and not self._matcher_ready(req):
-                    if not req.finished:
-                        deferred.append(req)
-                    continue
-                if (
-                    self.prefix is not None
-                    and not req.wants_prompt_logprobs
-                    and self.prefix.should_wait(req, self.running.prefilling())
-                ):
-                    deferred.append(req)
-                    continue
-                if not self._take_pages(req):
-                    return req
-                req.state = State.PREFILLING
-                self._seatings += 1
-                req.seated = self._seatings
-                self._waiting.served(req.client)
-            return None
-        finally:  # NOTE: a failed admission must not drop the requests deferred before it
-            for req in reversed(deferred):
-                self._waiting.appendleft(req)
-
-    def _matcher_ready(self, req: Req) -> bool:
-        """Whether a constrained request's matcher is built (a failed build ends it)."""
-        if not req.building.done():
-            return False
-        building, req.building = req.building, None
-        try:
-            req.matcher = building.result()
-        except Exception as e:  # NOTE: the grammar thread's error is this request's alone
-            req.finish("error", f"{type(e).__name__}: {e}")
-            self._touched[req.rid] = req
-            req.state = State.FINISHED
-            return False
-        return True
-
-    def _take_pages(self, req: Req) -> bool:
-        """A slot and pages for `req`; refused (or failed), it waits at the front, holding none."""
-        self.running.add(req)
-        seated = False
-        try:
-            seated = self.kv.seat(req, reserve=self.running.n_decode)
-        finally:
-            if not seated:
-                self.running.release(req)
-                self._waiting.appendleft(req)
-        return seated
-
-    def _make_room(self) -> None:
-        """Every decoding request gets the page its next token needs; when none is left, the
-        newest running request gives its pages back and waits to be recomputed."""
-        for req in self.running.decoding():
-            while req.slot is not None and not self.kv.grow(req):
-                self._preempt(self.running.newest(self.running.heaviest()), "out of KV pages")
-
-    def _preempt(self, req: Req, why: str) -> None:
-        log.info("%s preempted: %s (%d tokens recomputed later)", req.rid, why, req.kv_len)
-        self.kv.release(req)
-        self.running.release(req)
-        req.preempt()
-        self._waiting.appendleft(req)
-        self._counters["requests_preempted"] += 1
 
     def _plan_slices(self) -> list[PromptSlice]:
         todo = [r for r in self.running.prefilling() if body_left(r) > 0]
@@ -675,6 +569,10 @@ class Scheduler:
         self._touched.clear()
         return outs
 
+    def _report(self, req: Req) -> None:
+        """`req` has output (or its end) for the next `_emit`."""
+        self._touched[req.rid] = req
+
     def _fail_in_flight(self, exc: Exception) -> None:
         mx.synchronize()
         batches = [b for b in (self._current, self._next) if b is not None]
@@ -688,7 +586,7 @@ class Scheduler:
     def _end(self, req: Req, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request outside a step's tokens: report it; its row goes at the next settle."""
         req.finish(reason, error)
-        self._touched[req.rid] = req
+        self._report(req)
         if req.state is State.WAITING:
             self._waiting.remove(req)
         else:

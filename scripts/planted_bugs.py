@@ -183,7 +183,7 @@ BUGS = (
     ),
     Bug(
         "admission ignores the decode reserve (the scheduler passes none)",
-        "scheduler_proc/scheduler.py",
+        "scheduler_proc/seating.py",
         "seated = self.kv.seat(req, reserve=self.running.n_decode)",
         "seated = self.kv.seat(req, reserve=0)",
     ),
@@ -327,7 +327,7 @@ BUGS = (
     ),
     Bug(
         "a flooding client's rows are never given back to a starved one",
-        "scheduler_proc/scheduler.py",
+        "scheduler_proc/seating.py",
         "victim = self._fair_victim(blocked) if blocked is not None else None",
         "victim = None",
     ),
