@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req, State
@@ -22,21 +23,14 @@ from scheduler_proc.waiting import WaitingQueue
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Seating:
-    def __init__(
-        self,
-        waiting: WaitingQueue,
-        running: RunningTable,
-        kv: KVManager,
-        ended: Callable[[Req], None],
-    ) -> None:
-        """`ended`: reports a request that ended while seated (its grammar failed to build)."""
-        self.waiting = waiting
-        self.running = running
-        self.kv = kv
-        self._ended = ended
-        self.seatings = 0  # NOTE: `Req.seated` orders the rows: the newest gives its row first
-        self.preempted = 0
+    waiting: WaitingQueue
+    running: RunningTable
+    kv: KVManager
+    ended: Callable[[Req], None]  # reports a request ended while seated (its grammar failed)
+    seatings: int = 0  # NOTE: `Req.seated` orders the rows: the newest gives its row first
+    preempted: int = 0
 
     def seat(self) -> None:
         """Seat what fits, fairly across clients (scheduler_proc/waiting.py). A client below
@@ -143,7 +137,7 @@ class Seating:
         except Exception as e:  # NOTE: the grammar thread's error is this request's alone
             req.finish("error", f"{type(e).__name__}: {e}")
             req.state = State.FINISHED
-            self._ended(req)
+            self.ended(req)
             return False
         return True
 
