@@ -3,9 +3,10 @@
 A decode step's time is what the host waited for its tokens once it was free to wait: from its
 launch, or from the previous step's tokens when it was queued behind them (overlap). Prefill steps
 have no tokens to wait for; their time shows in the decode step after them (counted from the first
-of them, kept out of the medians, and named in its log line). A step over `SLOW_FACTOR`
-times the median of its kind, or one whose shape was first seen after warm-up, gets a log line:
-that is how a shape warm-up missed shows itself (a GPU compiles it, seconds on first use).
+of them, kept out of the medians, and named in its log line; with no row decoding they held nobody,
+and are not judged). A step over `SLOW_FACTOR` times the median of its kind, or one whose shape was
+first seen after warm-up, gets a log line: that is how a shape warm-up missed shows itself (a GPU
+compiles it, seconds on first use).
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ class StepTimes:
         self._free_since = now
         kind = "chained" if batch.chained else ("joined" if batch.joined else "decode")
         times = self._times.setdefault(kind, deque(maxlen=self._window))
-        self.worst_s = max(self.worst_s, dt)
+        # NOTE: prefill steps delay the decoding rows' next tokens; with none decoding (a long
+        # prompt alone, its last token joining) they held nobody, and the time is that prompt's
+        # first token's (TTFT): a 30k-token prompt's 56 prefill steps had read as one 770 ms
+        # "stall" in every long-context run.
+        held = bool(batch.decode) or not before
+        if held:
+            self.worst_s = max(self.worst_s, dt)
         self.new_shapes += batch.new_shape
         new = [b.shape for b in (*before, batch) if b.new_shape]
         if new:
@@ -66,7 +73,7 @@ class StepTimes:
                 new,
                 _after(before),
             )
-        else:
+        elif held:
             slow = self._slow(dt, times, kind)
             if slow is not None:
                 self.slow_steps += 1

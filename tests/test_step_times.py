@@ -73,3 +73,35 @@ def test_a_run_of_slow_steps_is_one_line_per_interval_with_a_count(caplog):
     lines = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
     assert times.slow_steps == 60 and len(lines) == 3, lines
     assert "21 more slow step(s) before it, the worst 200 ms" in lines[1], lines
+
+
+def _prefill(times: StepTimes, now: float, index: int) -> None:
+    batch = Batch(step_index=index, launch_ts=now)
+    batch.slices = [object()]  # type: ignore[list-item]
+    times.launched(batch)
+
+
+def test_prefill_steps_with_no_row_decoding_are_no_stall(caplog):
+    """A long prompt alone: its prefill steps, then its last token's joined step, held no
+    decoding row (every long-context run logged its ~770 ms as the worst step, a stall). The
+    same steps beside a decoding row are still its stall."""
+    times = StepTimes()
+    caplog.set_level(logging.WARNING, logger="scheduler_proc.step_times")
+    now = 0.0
+    for i in range(20):
+        now = _step(times, now, 0.01, 1 + i)
+    for i in range(56):
+        _prefill(times, now + 0.001 * i, 30 + i)
+    alone = Batch(step_index=90, launch_ts=now + 0.06)
+    alone.joined = [object()]  # type: ignore[list-item]
+    times.add(alone, now + 0.77)
+    assert times.slow_steps == 0 and not caplog.text, caplog.text
+    assert times.stats()["step_worst_s"] < 0.1
+    now += 11.0
+    for i in range(4):
+        _prefill(times, now + 0.001 * i, 100 + i)
+    beside = Batch(step_index=110, launch_ts=now + 0.01)
+    beside.decode = [object()]  # type: ignore[list-item]
+    times.add(beside, now + 0.5)
+    assert times.slow_steps == 1 and "after 4 prefill steps" in caplog.text, caplog.text
+    assert times.stats()["step_worst_s"] == 0.5
