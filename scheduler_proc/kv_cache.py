@@ -138,8 +138,7 @@ class _RaggedView:
         self.offset = mx.array(plan.starts, dtype=mx.int32)
         self._ends = self.offset + mx.array(plan.lengths, dtype=mx.int32)
         tables = pool.table_numpy(plan.tables, pool.pages_for(kv_len))
-        self._write_np = self._write_slots(tables)
-        self._write_at: dict[int, tuple[mx.array, mx.array]] = {}
+        self._write_idx = mx.array(self._write_slots(tables), dtype=mx.int32)
         self._tables = mx.array(tables)
         one = len(plan.tables) == 1
         # NOTE: `causal`: one row whose queries are its last keys needs no mask (the fast op's
@@ -201,29 +200,9 @@ class _RaggedView:
             s0 = plan.tables[0][0] * self.pool.page_size + plan.starts[0]
             buf[:, s0 : s0 + t] = new[0]
             return buf
-        # NOTE: (R, kv_heads, T, dim) -> (kv_heads, R * T, dim), the shape of buf[heads, idx].
-        heads, slots = self._write_index(h)
-        buf[heads, slots] = new.transpose(1, 0, 2, 3).reshape(h, r * t, d)
+        # NOTE: (R, kv_heads, T, dim) -> (kv_heads, R * T, dim), the shape of buf[:, idx].
+        buf[:, self._write_idx] = new.transpose(1, 0, 2, 3).reshape(h, r * t, d)
         return buf
-
-    def _write_index(self, kv_heads: int) -> tuple[mx.array, mx.array]:
-        """The (head, slot) of every value a write stores: graph nodes built once per step,
-        shared by every layer's K and V writes.
-
-        NOTE: an H200 decode step is bound by the host (the tokens wait ~0.1 ms; building and
-        queueing the graph is the step), and MLX's CUDA eval costs ~5 us a node. `buf[:, idx] =
-        x` built its head index again at every write (an arange, broadcasts, casts, reshapes):
-        the 1B model's decode step went from 1,102 nodes to 882 (mlx-lm's own: 780).
-        NOTE: host-built (evaluated) indices made MLX copy whole layer buffers in chained
-        decode steps on the CPU (test_decode_steps_cost_no_copy_of_the_pool); lazy ones do not.
-        """
-        index = self._write_at.get(kv_heads)
-        if index is None:
-            slots = mx.array(self._write_np, dtype=mx.int32)
-            shape = (kv_heads, slots.size)
-            heads = mx.broadcast_to(mx.arange(kv_heads, dtype=mx.int32)[:, None], shape)
-            index = self._write_at[kv_heads] = (heads, mx.broadcast_to(slots, shape))
-        return index
 
     def read(self, buf: mx.array, n: int) -> mx.array:
         if self.fused:
