@@ -146,7 +146,7 @@ class Scheduler:
         self._waiting = WaitingQueue()
         self._reqs: dict[str, Req] = {}
         self._touched: dict[str, Req] = {}
-        self.seats = Seating(self._waiting, self.running, self.kv, self._report)
+        self.seats = Seating(self._waiting, self.running, self.kv)
         self._to_free: dict[str, Req] = {}
         self._to_promote: list[Req] = []
         self._to_publish: list[Req] = []  # prompt bodies written by the last prefill step
@@ -465,6 +465,9 @@ class Scheduler:
         """
         if self.seating:
             self.seats.seat()
+            for req in self.seats.ended:
+                self._report(req)
+            self.seats.ended.clear()
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
         if not (self._prefill_last and (decoding or ready)):

@@ -12,8 +12,7 @@ tokens so far when it is seated again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.request import Req, State
@@ -28,7 +27,10 @@ class Seating:
     waiting: WaitingQueue
     running: RunningTable
     kv: KVManager
-    ended: Callable[[Req], None]  # reports a request ended while seated (its grammar failed)
+    # NOTE: requests that ended while being seated (their grammar failed to build), for the
+    # scheduler to report. A list, not a callback into the scheduler: a bound method held here
+    # made a reference cycle, so a dropped Scheduler's KV pool waited for the cyclic collector.
+    ended: list[Req] = field(default_factory=list)
     seatings: int = 0  # NOTE: `Req.seated` orders the rows: the newest gives its row first
     preempted: int = 0
 
@@ -137,7 +139,7 @@ class Seating:
         except Exception as e:  # NOTE: the grammar thread's error is this request's alone
             req.finish("error", f"{type(e).__name__}: {e}")
             req.state = State.FINISHED
-            self.ended(req)
+            self.ended.append(req)
             return False
         return True
 

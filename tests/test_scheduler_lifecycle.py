@@ -257,3 +257,21 @@ def _fails_once(fn):
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+def test_a_dropped_scheduler_frees_its_kv_at_once(llama):
+    """No reference cycle holds a Scheduler: dropped, its KV pool is freed right away, not when
+    the cyclic collector next runs (a Seating callback into the scheduler made one; the tests
+    that measure peak memory then saw an earlier scheduler's pool freed mid-measurement)."""
+    import gc
+    import weakref
+
+    sched = make_scheduler(llama)
+    drive(sched, {0: [("r", random_prompt(random.Random(3), 20), greedy(4))]})
+    ref = weakref.ref(sched)
+    gc.disable()
+    try:
+        del sched
+        assert ref() is None, "a reference cycle holds the scheduler"
+    finally:
+        gc.enable()
