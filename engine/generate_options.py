@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 from engine.messages import to_tokenizer as tt
 
 # NOTE: the keywords that say what to run and how to wait; every other one is a sampling keyword
-# and travels in `Generate.sampling`.
+# and travels in `Generate.params`.
 REQUEST_KEYS = frozenset(
     {"messages", "input_ids", "tools", "tool_choice", "parallel_tool_calls", "rid", "timeout"}
 )

@@ -464,10 +464,7 @@ class Scheduler:
         whenever there is a row to decode.
         """
         if self.seating:
-            self.seats.seat()
-            for req in self.seats.ended:
-                self._report(req)
-            self.seats.ended.clear()
+            self._seat()
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
         if not (self._prefill_last and (decoding or ready)):
@@ -484,6 +481,16 @@ class Scheduler:
         batch = Batch(decode=rows, joined=joined)
         batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
         return batch
+
+    def _seat(self) -> None:
+        """Seat what fits; a request that ended while seated is reported even when seating
+        fails after it (its failed grammar must still reach its client)."""
+        try:
+            self.seats.seat()
+        finally:
+            for req in self.seats.ended:
+                self._report(req)
+            self.seats.ended.clear()
 
     def _plan_slices(self) -> list[PromptSlice]:
         todo = [r for r in self.running.prefilling() if body_left(r) > 0]
