@@ -49,6 +49,9 @@ class Batch:
     def rows(self) -> list[Req]:
         return self.decode + self.joined
 
+    def reqs(self) -> list[Req]:
+        return self.rows + [c.req for c in self.slices]
+
     @property
     def is_prefill(self) -> bool:
         return bool(self.slices)
@@ -56,6 +59,3 @@ class Batch:
     @property
     def pure_decode(self) -> bool:
         return bool(self.decode) and not self.joined and not self.slices
-
-    def reqs(self) -> list[Req]:
-        return self.rows + [c.req for c in self.slices]

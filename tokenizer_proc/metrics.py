@@ -7,7 +7,7 @@ In-memory only (no I/O): `render()` returns the text format that `GET /metrics` 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, get_args
+from typing import Any, NamedTuple, get_args
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,27 +18,38 @@ PREFIX = "mlx_engine_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
-# (metric name, stats key, help): gauges read from the stats snapshot
-GAUGES = (
-    ("requests_running", "running", "Requests in the running batch"),
-    ("requests_waiting", "waiting", "Requests admitted by the scheduler, waiting for a KV row"),
-    ("requests_in_flight", "requests_in_flight", "Requests between admission and their end"),
-    ("kv_tokens_used", "kv_tokens_in_use", "KV cache tokens held by running requests"),
-    ("kv_tokens_total", "kv_tokens_total", "KV cache capacity in tokens"),
-    ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache"),
-    ("prefix_cache_tokens", "prefix_cache_tokens", "Tokens held by the prefix cache"),
-    ("generation_paused", "paused", "1 while the operator paused generation"),
-    ("weights_version", "weights_version", "Weight swaps since launch"),
-)
-# counters read from the stats snapshot (the `_total` suffix is added by the text format)
-COUNTERS = (
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens of finished requests"),
-    ("generation_tokens", "generated_tokens", "Tokens generated"),
-    ("prefill_tokens", "prefill_tokens", "Prompt tokens computed (prefix cache hits excluded)"),
-    ("prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens reused from the cache"),
-    ("steps_launched", "steps_launched", "Model steps launched on the device"),
-    ("requests_received", "requests_received", "Generation requests received"),
-    ("requests_rejected", "requests_rejected", "Requests refused with an error"),
+
+class Stat(NamedTuple):
+    """A metric read from the stats snapshot: its name after the prefix, its help, and the stats
+    key it reads (the name itself when not given)."""
+
+    name: str
+    help: str
+    key: str = ""
+    counter: bool = False  # NOTE: a counter's `_total` suffix is added by the text format
+
+
+def _counter(name: str, help: str, key: str = "") -> Stat:
+    return Stat(name, help, key, counter=True)
+
+
+STATS = (
+    Stat("requests_running", "Requests in the running batch", "running"),
+    Stat("requests_waiting", "Requests admitted by the scheduler, waiting for a KV row", "waiting"),
+    Stat("requests_in_flight", "Requests between admission and their end"),
+    Stat("kv_tokens_used", "KV cache tokens held by running requests", "kv_tokens_in_use"),
+    Stat("kv_tokens_total", "KV cache capacity in tokens"),
+    Stat("prefix_cache_hit_rate", "Prompt tokens served by the prefix cache"),
+    Stat("prefix_cache_tokens", "Tokens held by the prefix cache"),
+    Stat("generation_paused", "1 while the operator paused generation", "paused"),
+    Stat("weights_version", "Weight swaps since launch"),
+    _counter("prompt_tokens", "Prompt tokens of finished requests"),
+    _counter("generation_tokens", "Tokens generated", "generated_tokens"),
+    _counter("prefill_tokens", "Prompt tokens computed (prefix cache hits excluded)"),
+    _counter("prefix_cache_hit_tokens", "Prompt tokens reused from the cache"),
+    _counter("steps_launched", "Model steps launched on the device"),
+    _counter("requests_received", "Generation requests received"),
+    _counter("requests_rejected", "Requests refused with an error"),
 )
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
@@ -87,10 +98,10 @@ class _Snapshot:
 
     def collect(self) -> Iterator[Metric]:
         stats: dict[str, Any] = self.metrics._snapshot
-        for name, key, doc in GAUGES:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
-        for name, key, doc in COUNTERS:
-            yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+        for stat in STATS:
+            family = CounterMetricFamily if stat.counter else GaugeMetricFamily
+            value = float(stats.get(stat.key or stat.name, 0.0))
+            yield family(PREFIX + stat.name, stat.help, value=value)
         finished = CounterMetricFamily(
             PREFIX + "requests_finished", "Requests ended, by finish reason", labels=["reason"]
         )
