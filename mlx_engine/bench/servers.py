@@ -88,7 +88,7 @@ def mlx_lm_command(model_dir: Path, port: int) -> list[str]:
 def eos_token_ids(model_dir: Path) -> list[int]:
     """The model's end tokens, for a `logit_bias` that makes a server without `ignore_eos`
     generate exactly `max_tokens`."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from engine.tokenizer_loader import load_tokenizer  # NOTE: the config's end tokens too
 
     return sorted(int(t) for t in load_tokenizer(model_dir).eos_token_ids)
 
