@@ -135,6 +135,11 @@ def mlx_lm(args, model, rng: random.Random) -> None:
 
 def main() -> None:
     args = parse_args()
+    from engine.cpu_backend import setup_cpu_backend
+
+    # NOTE: before MLX is imported, as the scheduler does: without it a CPU run measured the
+    # wheel's reference BLAS (a 16-row decode of the default model: 2.2 s a step, not ~0.15 s)
+    setup_cpu_backend(None, log_line=False)
     from profile_scheduler import config_from
 
     from scheduler_proc.model_loader import load_for_scheduler
