@@ -51,7 +51,9 @@ def test_no_process_imports_torch_and_start_up_is_quiet(tiny_model_dir, tmp_path
     ready = _ready_times(log)
     for name in ("tokenizer", "detokenizer"):
         late = (ready[name] - ready["scheduler"]).total_seconds()
-        assert late < 5.0, f"{name} ready {late:.1f} s after the scheduler"
+        # NOTE: ~2 s on a quiet 2-core box; importing torch made it 11-13 s. 8 s, not 5: a
+        # loaded CI box took over 5 s with nothing wrong.
+        assert late < 8.0, f"{name} ready {late:.1f} s after the scheduler"
     # NOTE: READY says how long start-up took and where it went
     assert re.search(
         r"engine ready in [\d.]+ s \(scheduler [\d.]+ s \(load [\d.]+ s, warm-up [\d.]+ s\), "
