@@ -539,4 +539,8 @@ class KVPool:
 
     def state(self) -> list[mx.array]:
         """Every buffer, for `mx.async_eval` alongside a step's outputs."""
-        return [*self.keys, *self.values, *(a for layer in self.states for a in layer)]
+        return [*self.keys, *self.values, *self.recurrent_state()]
+
+    def recurrent_state(self) -> list[mx.array]:
+        """The recurrent layers' state buffers: a decode step writes them and reads them not."""
+        return [a for layer in self.states for a in layer]

@@ -115,10 +115,17 @@ class Runner:
             logits = self._decode_logits(batch, decode_inputs)
             if defer_sample:
                 batch.logits = logits
-                mx.async_eval(logits, *self.pool.state())
+                mx.async_eval(logits, *self.pool.recurrent_state())
                 return
             assert batch.sampler is not None
             batch.decode_out = sample(logits, batch.sampler)
+            # NOTE: not the KV buffers: every layer's write is read by its attention, so the
+            # outputs need them anyway, and MLX's CPU backend holds whatever `async_eval` is given
+            # until the whole step has run; the next step, built meanwhile, then could not write
+            # the first layers' buffers in place and copied them (recurrent states are written
+            # and not read, so they must be asked for).
+            mx.async_eval(*_outputs(batch), *self.pool.recurrent_state())
+            return
         mx.async_eval(*_outputs(batch), *self.pool.state())
 
     def sample_deferred(self, batch: Batch, allowed: np.ndarray | None) -> None:

@@ -293,6 +293,12 @@ BUGS = (
         "            self.keys[i][:, d] = k\n",
         "            self.keys[i][:, d] = self.keys[i][:, s]\n",
     ),
+    Bug(
+        "a decode step asks async_eval for the KV buffers (the next step's first writes copy)",
+        "scheduler_proc/runner.py",
+        "            mx.async_eval(*_outputs(batch), *self.pool.recurrent_state())\n",
+        "            mx.async_eval(*_outputs(batch), *self.pool.state())\n",
+    ),
     # -- long prompts' causal chunks, prompt logprobs ------------------------------------------
     Bug(
         "a lone causal chunk's keys run past its queries (the causal kernel never runs)",

@@ -103,6 +103,40 @@ def test_decode_steps_cost_no_copy_of_the_pool(model, fused):
     assert big - small < pool / 16, (small, big, pool)
 
 
+@pytest.mark.parametrize("fused", ["off", "on"], ids=["masked", "fused"])
+def test_a_decode_step_leaves_the_kv_buffers_free_for_the_next(model, fused, monkeypatch):
+    """A chained decode step's first writes reuse their layer's buffer only if nothing still
+    holds it; MLX's CPU backend holds what `async_eval` was given until the whole step has
+    run, so a decode step that asked for the KV buffers (its writes are read by its attention
+    anyway) made the next step copy a layer, or not, by timing. Checked where it is decided:
+    no decode step asks for them."""
+    sched = make_scheduler(model, max_running_requests=4, fused_decode=fused)
+    kv = sched.pool.keys + sched.pool.values
+    asked: list[tuple[int, bool]] = []  # NOTE: (KV buffers asked for, by a decode launch)
+    launching: list[bool] = []
+    real, launch = mx.async_eval, sched.runner.launch
+
+    def spy(*arrays):
+        asked.append((sum(any(a is b for b in kv) for a in arrays), launching == [True]))
+        return real(*arrays)
+
+    def tracked(batch, *a, **k):
+        launching.append(not batch.is_prefill)
+        try:
+            return launch(batch, *a, **k)
+        finally:
+            launching.pop()
+
+    monkeypatch.setattr(sched.runner, "launch", tracked)
+    monkeypatch.setattr(mx, "async_eval", spy)
+    rng = random.Random(4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    drive(sched, {i: [(f"r{i}", random_prompt(rng, 20 + i), params)] for i in range(3)})
+    decodes = [n for n, decode in asked if decode]
+    assert decodes and all(n == 0 for n in decodes), asked
+    assert any(n == len(kv) for n, decode in asked if not decode), asked  # NOTE: prefill asks
+
+
 def _prefill_beside_a_decode_peak(model, context: int) -> tuple[int, int]:
     sched = make_scheduler(
         model,
