@@ -120,20 +120,34 @@ class HostBroadcast:
         not. Each syscall here costs rank 0 tens of microseconds while the step in flight
         shares its core, so there are as few as the headers allow (one, stepping).
         """
-        buf = self._inbox[r]
-        buf += self._read(r, block=False)
-        while True:
-            # NOTE: a worker may be one header ahead (it sends the next one as soon as it has
-            # this frame): that one waits for rank 0's own next step.
-            while len(buf) >= HEADER.size and self._acked[r] < self._mine[0]:
-                step, fp, _ = HEADER.unpack_from(buf)
-                del buf[: HEADER.size]
-                want = self._acked[r] + 1
-                check_same(r, step, fp, want, self._sent[want])
-                self._acked[r] = step
+        try:
+            self._inbox[r] += self._read(r, block=False)
+        except PeerLost:
+            # NOTE: a worker one header ahead leaves once it has read its last frame, maybe
+            # while rank 0 is still in its own last step: its end matters only when a header
+            # this iteration needs is missing (a worker that died is caught one step later).
+            self._take_headers(r)
             if self._acked[r] >= need:
                 return
-            buf += self._read(r, block=True)
+            raise
+        while True:
+            self._take_headers(r)
+            if self._acked[r] >= need:
+                return
+            self._inbox[r] += self._read(r, block=True)
+
+    def _take_headers(self, r: int) -> None:
+        """Check worker r's headers received so far, up to rank 0's own step.
+
+        NOTE: a worker may be one header ahead (it sends the next one as soon as it has this
+        frame): that one waits for rank 0's own next step."""
+        buf = self._inbox[r]
+        while len(buf) >= HEADER.size and self._acked[r] < self._mine[0]:
+            step, fp, _ = HEADER.unpack_from(buf)
+            del buf[: HEADER.size]
+            want = self._acked[r] + 1
+            check_same(r, step, fp, want, self._sent[want])
+            self._acked[r] = step
 
     def _read(self, r: int, block: bool) -> bytes:
         """What worker r's link holds now (without `block`, maybe nothing); its end is fatal."""
