@@ -270,9 +270,10 @@ def test_operations_on_every_tensor_parallel_rank(tiny_model_dir, other_weights,
         engine.wait_ready()
         prompts = _prompts(4)
         with EngineClient(engine.address, timeout=60) as sdk:
-            plain = Streams(sdk, prompts, 48)
+            # NOTE: LONG, not 48 tokens: on a loaded box 48 were all out before the retract
+            plain = Streams(sdk, prompts, LONG)
             plain.join()
-            streams = Streams(sdk, prompts, 48)
+            streams = Streams(sdk, prompts, LONG)
             streams.wait_started()
             assert sdk.pause_generation("retract")["retracted"] > 0
             sdk.continue_generation()
