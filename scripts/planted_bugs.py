@@ -290,8 +290,8 @@ BUGS = (
     Bug(
         "a shared partial page is read and written in one graph (the whole buffer copied)",
         "scheduler_proc/kv_cache.py",
-        "            self.keys[i][:, d] = k\n",
-        "            self.keys[i][:, d] = self.keys[i][:, s]\n",
+        "            write_slots(self.keys[i], d, k)\n",
+        "            write_slots(self.keys[i], d, self.keys[i][:, s])\n",
     ),
     Bug(
         "a decode step asks async_eval for the KV buffers (the next step's first writes copy)",
