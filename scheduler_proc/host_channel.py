@@ -120,20 +120,20 @@ class HostBroadcast:
         not. Each syscall here costs rank 0 tens of microseconds while the step in flight
         shares its core, so there are as few as the headers allow (one, stepping).
         """
+        gone: PeerLost | None = None
         try:
             self._inbox[r] += self._read(r, block=False)
-        except PeerLost:
+        except PeerLost as e:
             # NOTE: a worker one header ahead leaves once it has read its last frame, maybe
             # while rank 0 is still in its own last step: its end matters only when a header
             # this iteration needs is missing (a worker that died is caught one step later).
-            self._take_headers(r)
-            if self._acked[r] >= need:
-                return
-            raise
+            gone = e
         while True:
             self._take_headers(r)
             if self._acked[r] >= need:
                 return
+            if gone is not None:
+                raise gone
             self._inbox[r] += self._read(r, block=True)
 
     def _take_headers(self, r: int) -> None:

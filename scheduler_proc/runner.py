@@ -110,23 +110,24 @@ class Runner:
         forward only, its sampling left to `sample_deferred` (its token masks are not known yet)."""
         if batch.is_prefill:
             self._prefill(batch, batch.slices)
-        else:
-            assert decode_inputs is not None, "a decode step has input tokens"
-            logits = self._decode_logits(batch, decode_inputs)
-            if defer_sample:
-                batch.logits = logits
-                mx.async_eval(logits, *self.pool.recurrent_state())
-                return
-            assert batch.sampler is not None
-            batch.decode_out = sample(logits, batch.sampler)
-            # NOTE: not the KV buffers: every layer's write is read by its attention, so the
-            # outputs need them anyway, and MLX's CPU backend holds whatever `async_eval` is given
-            # until the whole step has run; the next step, built meanwhile, then could not write
-            # the first layers' buffers in place and copied them (recurrent states are written
-            # and not read, so they must be asked for).
-            mx.async_eval(*_outputs(batch), *self.pool.recurrent_state())
+            # NOTE: the KV buffers too: a first chunk's writes are read by nothing in its step
+            mx.async_eval(*_outputs(batch), *self.pool.state())
             return
-        mx.async_eval(*_outputs(batch), *self.pool.state())
+        assert decode_inputs is not None, "a decode step has input tokens"
+        logits = self._decode_logits(batch, decode_inputs)
+        # NOTE: not the KV buffers: every layer's write is read by its attention, so the outputs
+        # need them anyway, and MLX's CPU backend holds whatever `async_eval` is given until the
+        # whole step has run; the next step, built meanwhile, then could not write the first
+        # layers' buffers in place and copied them (recurrent states are written and not read,
+        # so they must be asked for).
+        states = self.pool.recurrent_state()
+        if defer_sample:
+            batch.logits = logits
+            mx.async_eval(logits, *states)
+            return
+        assert batch.sampler is not None
+        batch.decode_out = sample(logits, batch.sampler)
+        mx.async_eval(*_outputs(batch), *states)
 
     def sample_deferred(self, batch: Batch, allowed: np.ndarray | None) -> None:
         """Queue the sampling of a forward launched with `defer_sample`, under `allowed`."""

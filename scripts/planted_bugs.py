@@ -296,8 +296,8 @@ BUGS = (
     Bug(
         "a decode step asks async_eval for the KV buffers (the next step's first writes copy)",
         "scheduler_proc/runner.py",
-        "            mx.async_eval(*_outputs(batch), *self.pool.recurrent_state())\n",
-        "            mx.async_eval(*_outputs(batch), *self.pool.state())\n",
+        "        states = self.pool.recurrent_state()\n",
+        "        states = self.pool.state()\n",
     ),
     # -- long prompts' causal chunks, prompt logprobs ------------------------------------------
     Bug(
