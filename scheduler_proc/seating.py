@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.prefix_cache import PendingPrompts
 from scheduler_proc.request import Req, State
 from scheduler_proc.running import RunningTable
 from scheduler_proc.waiting import WaitingQueue
@@ -95,6 +96,11 @@ class Seating:
     def _seat_waiting(self) -> Req | None:
         """Seat what fits; returns the request that found no slot or pages (None: all were
         seated or are deferred)."""
+        pending = PendingPrompts(r.fill_ids for r in self.running.prefilling())
+        with self.kv.one_pass():
+            return self._seat_each(pending)
+
+    def _seat_each(self, pending: PendingPrompts) -> Req | None:
         deferred: list[Req] = []
         rows = self.running.rows_of
         try:
@@ -102,13 +108,14 @@ class Seating:
                 if self.running.free_slots == 0:
                     return self.waiting.peek(rows)
                 req = self.waiting.popleft(rows)
-                if self._defer(req):
+                if self._defer(req, pending):
                     if not req.finished:
                         deferred.append(req)
                     continue
                 if not self._take_pages(req):
                     return req
                 req.state = State.PREFILLING
+                pending.add(req.fill_ids)
                 self.seatings += 1
                 req.seated = self.seatings
                 self.waiting.served(req.client)
@@ -117,7 +124,7 @@ class Seating:
             for req in reversed(deferred):
                 self.waiting.appendleft(req)
 
-    def _defer(self, req: Req) -> bool:
+    def _defer(self, req: Req, pending: PendingPrompts) -> bool:
         """Whether `req` waits a step: its grammar is still building, or a running prompt is
         about to cache the prefix it would share (`PrefixCache.should_wait`)."""
         if req.building is not None and not self._matcher_ready(req):
@@ -126,7 +133,7 @@ class Seating:
         return (
             prefix is not None
             and not req.wants_prompt_logprobs
-            and prefix.should_wait(req, self.running.prefilling())
+            and prefix.should_wait(req, pending)
         )
 
     def _matcher_ready(self, req: Req) -> bool:

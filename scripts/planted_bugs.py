@@ -188,6 +188,18 @@ BUGS = (
         "seated = self.kv.seat(req, reserve=0)",
     ),
     Bug(
+        "a seating pass copies each prefix hit's partly filled page on its own",
+        "scheduler_proc/seating.py",
+        "        with self.kv.one_pass():\n            return self._seat_each(pending)\n",
+        "        return self._seat_each(pending)\n",
+    ),
+    Bug(
+        "the pending prompts' longest shared prefix read from one neighbour only",
+        "scheduler_proc/prefix_cache.py",
+        "near = self._sorted[max(0, i - 1) : i + 1]",
+        "near = self._sorted[i : i + 1]",
+    ),
+    Bug(
         "a preempted request recomputes its last token twice",
         "scheduler_proc/request.py",
         "self.fill = self.input_ids + self.output_ids\n",

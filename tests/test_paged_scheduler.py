@@ -122,6 +122,51 @@ def test_concurrent_hits_share_pages_and_copy_only_the_partial_one(llama):
     assert sched.stats()["prefix_cache_hit_tokens"] >= 7 * len(system)
 
 
+def test_hits_seated_together_copy_their_partial_pages_at_once(llama):
+    """Requests seated in one pass, each hitting a cached prompt's partly filled page, copy
+    those pages in one copy: each copy waits for the device twice (196 hits of a wave, one at a
+    time, held the H200's next step 1.2 s). Their streams are still mlx-lm's own."""
+    rng = random.Random(11)
+    system = random_prompt(rng, 64 + 6)  # NOTE: 4 whole pages of 16 and 6 tokens of a fifth
+    sched = make_scheduler(llama, page_size=16)
+    _parity(sched, llama, [("first", system + random_prompt(rng, 4), 4, 0)])
+    copies: list[int] = []
+    real = sched.pool.copy_tokens
+
+    def counted(src: list[int], dst: list[int]) -> None:
+        copies.append(len(src))
+        real(src, dst)
+
+    sched.pool.copy_tokens = counted  # type: ignore[method-assign]
+    _parity(sched, llama, [(f"r{i}", system + random_prompt(rng, 3 + i), 8, 0) for i in range(8)])
+    assert copies == [8 * 6], copies
+
+
+def test_a_flood_is_seated_without_comparing_every_prompt_with_every_other(llama, monkeypatch):
+    """Whether a waiting request shares a prefix with a prompt being prefilled is asked of two
+    sorted neighbours, not of each such prompt: compared with each, a seating pass of W waiting
+    and P prefilling requests made W x P comparisons (0.2 s a pass for 256 at once on this CPU)."""
+    from scheduler_proc import prefix_cache
+
+    asked, compared = [0], [0]
+    real_wait, real_common = prefix_cache.PrefixCache.should_wait, prefix_cache.common_prefix
+
+    def should_wait(self, *args):
+        asked[0] += 1
+        return real_wait(self, *args)
+
+    def common_prefix(a, b):
+        compared[0] += 1
+        return real_common(a, b)
+
+    monkeypatch.setattr(prefix_cache.PrefixCache, "should_wait", should_wait)
+    monkeypatch.setattr(prefix_cache, "common_prefix", common_prefix)
+    rng = random.Random(12)
+    sched = make_scheduler(llama)
+    drive(sched, {0: [(f"r{i}", random_prompt(rng, 24), greedy(2)) for i in range(96)]})
+    assert asked[0] >= 96 and compared[0] <= 2 * asked[0], (asked, compared)
+
+
 def test_kv_in_use_follows_the_tokens_held(llama):
     """Memory held by running requests is their tokens, rounded up to whole pages, nothing more:
     no row reserved at the longest allowed request."""

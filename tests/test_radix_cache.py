@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from scheduler_proc.prefix_cache import common_prefix, shares_pending_prefix
+from scheduler_proc.prefix_cache import PendingPrompts, common_prefix
 from scheduler_proc.radix_cache import RadixCache
 
 
@@ -47,5 +47,24 @@ def test_common_prefix_and_pending_share() -> None:
             (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
         )
         assert common_prefix(a, b) == naive
-    assert shares_pending_prefix([1] * 100, 10, [[2], [1] * 80], min_tokens=70)
-    assert not shares_pending_prefix([1] * 100, 11, [[2], [1] * 80], min_tokens=70)
+    assert PendingPrompts([[2], [1] * 80]).longest_shared([1] * 100) == 80
+    assert PendingPrompts().longest_shared([1] * 100) == 0
+
+
+def test_pending_prompts_find_the_longest_shared_prefix_of_any() -> None:
+    """The two sorted neighbours' answer is the longest over all pending prompts, as they are
+    added one by one (a seating pass adds each prompt it seats)."""
+    rng = random.Random(1)
+    for _ in range(100):
+        base = [rng.randrange(3) for _ in range(8)]
+        prompts = [
+            base[: rng.randint(0, 8)] + [rng.randrange(3) for _ in range(rng.randint(0, 6))]
+            for _ in range(rng.randint(0, 12))
+        ]
+        pending = PendingPrompts(prompts[: len(prompts) // 2])
+        for p in prompts[len(prompts) // 2 :]:
+            pending.add(p)
+        for _ in range(10):
+            q = base[: rng.randint(0, 8)] + [rng.randrange(3) for _ in range(rng.randint(0, 6))]
+            want = max((common_prefix(q, p) for p in prompts), default=0)
+            assert pending.longest_shared(q) == want
