@@ -641,13 +641,7 @@ def _prompt_logprobs(req: Req) -> list[TokenLogprob | None] | None:
         return None
     out: list[TokenLogprob | None] = [None]
     for arrays in req.prompt_lps:
-        lists = [_listed(a) for a in arrays]
-        if len(lists) == 1:
-            out += [TokenLogprob(c) for c in lists[0]]
-        else:
-            chosen, ids, lps = lists
-            pairs = zip(chosen, ids, lps, strict=True)
-            out += [TokenLogprob(c, list(zip(i, v, strict=True))) for c, i, v in pairs]
+        out += _paired(*(_listed(a) for a in arrays))
     req.prompt_lps, req.prompt_lp_sent = [], True
     return out
 
@@ -657,11 +651,19 @@ def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:
     tokens: list[int] = _listed(out.tokens)
     if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return tokens, [None] * len(tokens)
-    chosen, ids, lps = _listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs)
-    return tokens, [
-        TokenLogprob(c, list(zip(i, v, strict=True)))
-        for c, i, v in zip(chosen, ids, lps, strict=True)
-    ]
+    return tokens, list(
+        _paired(_listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs))
+    )
+
+
+def _paired(
+    chosen: list[float], ids: list[list[int]] | None = None, lps: list[list[float]] | None = None
+) -> list[TokenLogprob]:
+    """Each token's logprob, with its top alternatives (id, logprob) when they were asked for."""
+    if ids is None or lps is None:
+        return [TokenLogprob(c) for c in chosen]
+    pairs = zip(chosen, ids, lps, strict=True)
+    return [TokenLogprob(c, list(zip(i, v, strict=True))) for c, i, v in pairs]
 
 
 def _listed(a: mx.array) -> list[Any]:
