@@ -11,7 +11,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -646,14 +646,12 @@ def _prompt_logprobs(req: Req) -> list[TokenLogprob | None] | None:
     return out
 
 
-def _host(out: Sampled) -> tuple[list[int], list[TokenLogprob | None]]:
+def _host(out: Sampled) -> tuple[list[int], Sequence[TokenLogprob | None]]:
     """Block on a step's tokens (and logprobs) and bring them to the host."""
     tokens: list[int] = _listed(out.tokens)
     if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return tokens, [None] * len(tokens)
-    return tokens, list(
-        _paired(_listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs))
-    )
+    return tokens, _paired(_listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs))
 
 
 def _paired(
