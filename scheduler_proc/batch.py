@@ -24,6 +24,7 @@ class PromptSlice:
     req: Req
     start: int
     end: int
+    lone: bool = False  # a lone chunk: padded to the lone width, attending over its row's keys
 
 
 @dataclass(eq=False)

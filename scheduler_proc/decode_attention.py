@@ -244,6 +244,26 @@ class PagedKeys:
     page_size: int
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows of one forward that attend together (`Groups`, `kv_cache._RaggedView.groups`): which rows (into the forward's),
+    their keys and values, and their mask ("causal": each row's queries are its last keys)."""
+
+    rows: slice | mx.array
+    keys: mx.array
+    values: mx.array
+    mask: mx.array | str | None
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A layer's attention in parts: each part's rows attend over their own keys only; the
+    parts' outputs, concatenated, go back to row order by `order` (None: they are in it)."""
+
+    parts: list[RowGroup]
+    order: mx.array | None = None
+
+
 @dataclass
 class Counts:
     """Fused calls since start, and those that had to take the masked path (`fits` false)."""
@@ -253,6 +273,7 @@ class Counts:
     prefill_ops: int = 0  # prompt-chunk attention calls run by `prefill_attention`
     prefill_causal: int = 0  # prompt-chunk calls by the fast op's causal kernel (first, lone long)
     split: int = 0  # fused calls whose rows' keys take the split path (its own kernels)
+    grouped: int = 0  # decode attention calls of one group of rows (`by_groups`)
 
 
 counts = Counts()
@@ -418,6 +439,10 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
     fused = getattr(cache, "fused_lengths", None)
     paged: PagedKeys | None = fused() if fused is not None else None
     if paged is None:
+        grouped = getattr(cache, "groups", None)
+        groups: Groups | None = grouped() if grouped is not None else None
+        if groups is not None:
+            return by_groups(queries, groups, scale, sinks)
         ops = getattr(cache, "prefill_by_ops", None)
         if ops is not None and ops() and isinstance(mask, mx.array) and sinks is None:
             counts.prefill_ops += 1
@@ -429,6 +454,28 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
         counts.masked += 1
         return _masked(queries, keys, values, paged, scale, sinks)
     return decode_attention(queries, keys, values, paged, scale)
+
+
+def by_groups(q: mx.array, groups: Groups, scale: float, sinks: mx.array | None) -> mx.array:
+    """Attention in parts (`kv_cache.Groups`): each part's rows over their own keys, the
+    outputs back in row order.
+
+    NOTE: lone chunks, one part a row: each a lone chunk's shape (one cuDNN graph per multiple
+    of the width, each warmed), where one padded batch would read every row's keys up to the
+    longest with a mask (a graph per new (rows, keys)). Decode rows of very different lengths,
+    one part a group: each reads only up to its own longest row."""
+    outs = []
+    for part in groups.parts:
+        causal = isinstance(part.mask, str)
+        counts.prefill_causal += causal
+        counts.grouped += not causal
+        outs.append(
+            mx.fast.scaled_dot_product_attention(
+                q[part.rows], part.keys, part.values, scale=scale, mask=part.mask, sinks=sinks
+            )
+        )
+    out = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+    return out if groups.order is None else out[groups.order]
 
 
 def install(model: nn.Module) -> int:

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from scheduler_proc.decode_attention import PagedKeys
+from scheduler_proc.decode_attention import Groups, PagedKeys, RowGroup
 from scheduler_proc.kv_layout import LayerShape, Layout, ring_size
 
 
@@ -42,6 +42,11 @@ class StepRows:
     starts: list[int]
     lengths: list[int]
     width: int
+
+
+# NOTE: a decode step splits its rows where a row holds fewer than half the keys of the longest
+# row of its group, each group reading only up to its own longest (`_RaggedView._split`).
+SPLIT_RATIO = 2
 
 
 def token_slots(table: list[int], start: int, n: int, page: int) -> np.ndarray:
@@ -85,6 +90,7 @@ class _RowView:
     lengths = None  # NOTE: no padding, so recurrent layers take mlx-lm's unmasked path
     by_ops = False  # NOTE: one row, mlx-lm's own masks and attention
     fresh = False  # NOTE: its keys are read back (a slice when its pages are one run)
+    grouped = False  # NOTE: one row: attends as mlx-lm's
 
     def __init__(self, pool: KVPool, slot: int, table: list[int], start: int, n: int = 1) -> None:
         self.pool, self.slot, self.table, self.offset = pool, slot, table, start
@@ -149,6 +155,7 @@ class _RaggedView:
         fused: bool = False,
         by_ops: bool = False,
         causal: bool = False,
+        split: bool = False,
     ) -> None:
         self.pool, self.plan, self.length = pool, plan, kv_len
         self._t = t = plan.width
@@ -162,6 +169,10 @@ class _RaggedView:
         # bottom-right causal kernel). Its keys are always gathered: cuDNN builds a graph per
         # shape and strides, and a slice of the pool has other strides than the warm-up's.
         self.causal = causal and one and plan.starts[0] + plan.width == kv_len
+        # NOTE: several such rows (lone chunks, each from a multiple of the width): each row
+        # attends on its own over its keys, `starts[i] + width` (`by_rows`), gathered alone so
+        # its attention has a lone chunk's shape; the padded batch's gather is not made.
+        self.by_rows = causal and not one
         # NOTE: `fresh`: every row starts at position 0, so a full layer's keys are the chunk's
         # own, right-padded; a causal mask is exact for every real query (padding only follows
         # it) and nothing needs gathering back from the pages. One shape per (rows, width).
@@ -187,6 +198,11 @@ class _RaggedView:
         self.lengths = mx.array(plan.lengths, dtype=mx.int32) if padded else None
         self.fused = fused and t == 1
         self.by_ops = by_ops and t > 1
+        # NOTE: a decode whose rows read very different numbers of keys (one long request among
+        # short ones) attends in groups, each reading up to its own longest row: gathered to
+        # the longest row, a 7,000-token request made 15 short streams decode 35x slower (CPU).
+        self._split = self._decode_split() if split and t == 1 and not self.fused else None
+        self.grouped = self.by_rows or self._split is not None
 
     def _write_slots(self, tables: np.ndarray) -> np.ndarray:
         """Slot of every (row, query) position, row-major; padding to the scratch page.
@@ -203,6 +219,57 @@ class _RaggedView:
         index = np.where(real, pos // page, 0)
         own = np.take_along_axis(tables, index, axis=1).astype(np.int64) * page + pos % page
         return np.where(real, own, self.pool.scratch_page * page + t % page).reshape(-1)
+
+    def _decode_split(self) -> list[list[int]] | None:
+        """The decode rows in groups, longest first: a row starts a new group when it reads
+        fewer than 1 / SPLIT_RATIO of its group's longest; None when that saves under a
+        quarter of the keys read (one group, the padded batch)."""
+        ends = [max(s + n, 1) for s, n in zip(self.plan.starts, self.plan.lengths, strict=True)]
+        order = sorted(range(len(ends)), key=lambda i: -ends[i])
+        groups: list[list[int]] = []
+        for i in order:
+            if not groups or ends[i] * SPLIT_RATIO < ends[groups[-1][0]]:
+                groups.append([])
+            groups[-1].append(i)
+        read = sum(len(g) * ends[g[0]] for g in groups)
+        if len(groups) == 1 or read * 4 > len(ends) * ends[order[0]] * 3:
+            return None
+        return groups
+
+    def groups(self, keys: mx.array, values: mx.array) -> Groups | None:
+        """A full layer's attention in parts (`grouped`), from its buffers after the write."""
+        if self.by_rows:
+            return Groups([self._lone_row(i, keys, values) for i in range(len(self.plan.slots))])
+        if self._split is None:
+            return None
+        parts = [self._decode_group(g, keys, values) for g in self._split]
+        order = np.argsort([i for g in self._split for i in g])
+        return Groups(parts, mx.array(order.astype(np.int32)))
+
+    def _lone_row(self, i: int, keys: mx.array, values: mx.array) -> RowGroup:
+        """Row i's keys and values `[0, starts[i] + width)`, gathered alone (a lone chunk's
+        shape, whose graph the warm-up built); its queries are the last of them."""
+        pool, table, n = self.pool, self.plan.tables[i], self.plan.starts[i] + self._t
+        pages = self._tables[i : i + 1, : pool.pages_for(n)]
+        k, v = pool.gather([table], n, keys, pages), pool.gather([table], n, values, pages)
+        return RowGroup(slice(i, i + 1), k, v, "causal")
+
+    def _decode_group(self, rows: list[int], keys: mx.array, values: mx.array) -> RowGroup:
+        """Decode rows `rows` over their keys up to the longest of them: one row's pages in
+        one run are a slice (no copy)."""
+        pool, plan = self.pool, self.plan
+        ends = [max(plan.starts[i] + plan.lengths[i], 1) for i in rows]
+        n = max(ends)
+        tables = [plan.tables[i] for i in rows]
+        run = len(rows) == 1 and contiguous_run(tables[0], pool.pages_for(n))
+        index = mx.array(np.asarray(rows, dtype=np.int32))
+        pages = self._tables[index][:, : pool.pages_for(n)]
+        k = pool.gather(tables, n, keys, pages, run)
+        v = pool.gather(tables, n, values, pages, run)
+        mask = None
+        if min(ends) < n:  # NOTE: (G, 1, 1, n): row r sees its first ends[r] keys
+            mask = (mx.arange(n)[None] < mx.array(ends)[:, None])[:, None, None]
+        return RowGroup(index, k, v, mask)
 
     def fused_keys(self, window: int | None) -> PagedKeys | None:
         """A fused full-attention layer's keys: per-row counts, their host bound and the table."""
@@ -252,7 +319,7 @@ class _RaggedView:
     ) -> mx.array | str | None:
         if self.fused and ring is None:
             return None  # NOTE: unused: the fused kernel bounds each row by its length
-        causal = self.causal or self.fresh
+        causal = self.causal or self.fresh or self.by_rows
         if causal and ring is None and window_size is None and not return_array:
             return "causal"
         # NOTE: one mask per window size: a model with sliding and full layers asks for both.
@@ -324,6 +391,15 @@ class LayerCache:
         """Keys per row, their host bound and the page table when this layer's attention runs
         the fused decode (`decode_attention`)."""
         return self._view.fused_keys(self._window)
+
+    def groups(self) -> Groups | None:
+        """This layer's attention in parts, when the forward's rows attend in groups (lone
+        chunks each on its own; decode rows of very different lengths); None otherwise."""
+        view = self._view
+        if not isinstance(view, _RaggedView) or not view.grouped or self._ring is not None:
+            return None
+        p, i = self._pool, self._layer
+        return view.groups(p.keys[i], p.values[i])
 
     def prefill_by_ops(self) -> bool:
         """Whether this forward's attention over a prompt chunk runs `prefill_attention`."""
@@ -445,12 +521,13 @@ class KVPool:
         fused: bool = False,
         by_ops: bool = False,
         causal: bool = False,
+        split: bool = False,
     ) -> list[EntryCache]:
         """A padded batch of rows (see `_RaggedView`); `kv_len` keys are read per row.
         `fused`: a decode reads keys in the kernel; `by_ops`: prompt chunks attend by MLX's ops
-        (`prefill_attention`); `causal`: a lone row whose queries are its last keys attends by the
-        fast op's causal kernel."""
-        return self._caches(_RaggedView(self, plan, kv_len, fused, by_ops, causal))
+        (`prefill_attention`); `causal`: rows whose queries are their last keys attend by the
+        fast op's causal kernel; `split`: a decode's rows may attend in groups by length."""
+        return self._caches(_RaggedView(self, plan, kv_len, fused, by_ops, causal, split))
 
     def _caches(self, view: View) -> list[EntryCache]:
         # NOTE: one cache object per entry of the model's own cache list, in its order.
@@ -499,6 +576,8 @@ class KVPool:
             self.values[layer] = view.write(self.values[layer], v)
             if view.fresh:
                 return k, v
+            # NOTE: grouped, our attention reads `groups()` and this gather, lazy, never runs;
+            # a layer that reuses another's keys (KV shared across layers) attends over it.
             return view.read(self.keys[layer], n), view.read(self.values[layer], n)
         self.keys[layer] = view.write_ring(self.keys[layer], k, ring)
         self.values[layer] = view.write_ring(self.values[layer], v, ring)

@@ -23,8 +23,12 @@ from scheduler_proc.snapshots import SlotSnapshots
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, prefix: bool, snapshots: int = 0) -> None:
-        self.pool = pool
+    def __init__(
+        self, pool: KVPool, prefix: bool, snapshots: int = 0, align: int | None = None
+    ) -> None:
+        """`align`: the lone chunks' width (`--long-prefill-chunk`), to which a hit is cut back
+        when the rest of the prompt crosses a multiple of it anyway (`lone_start`)."""
+        self.pool, self.align = pool, align
         self.pages = PageAllocator(pool.pages, pool.page_size)
         self.prefix = PrefixCache(self.pages) if prefix else None  # NOTE: None when off
         # NOTE: models with rings or recurrent state: a hit also restores the slot (snapshots).
@@ -95,10 +99,12 @@ class KVManager:
         req.snap_at = None
 
     def _boundary(self, req: Req):
-        snaps = self.snapshots
-        if snaps is None:
-            return None
-        return lambda n: snaps.longest(req.fill_ids, n)
+        snaps, w = self.snapshots, self.align
+        if snaps is not None:
+            return lambda n: snaps.longest(req.fill_ids, n)
+        if w is not None:
+            return lambda n: lone_start(n, req.fill_len - 1, w)
+        return None
 
     def _table(self, blocks: list[int | list[int]], new: list[int]) -> list[int]:
         """Shared pages in place, own pages for the rest; copied blocks written now."""
@@ -209,3 +215,15 @@ class KVManager:
         if self.snapshots is not None:
             out |= {"prefix_cache_snapshots": len(self.snapshots)}
         return out
+
+
+def lone_start(hit: int, body: int, w: int) -> int:
+    """A prefix hit of `hit` tokens of a prompt whose body (the tokens before its last) is
+    `body`, cut back to a multiple of `w` when the body's rest crosses one anyway: its chunks
+    are then all lone ones, many a step (`prefill_plan`), with no short chunk up to the multiple
+    first, which attends by the score-bound path (H200, 128 agents: one such chunk a step).
+
+    NOTE: it recomputes `hit % w` cached tokens (below `w`); a rest that ends before the next
+    multiple (a warm turn: a few tokens) keeps its whole hit."""
+    cut = hit % w
+    return hit - cut if cut and body - hit > w - cut else hit

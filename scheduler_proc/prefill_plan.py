@@ -4,24 +4,46 @@ Every row of a prefill forward is padded to one width, so the planner picks the 
 the most tokens within `--max-prefill-tokens`, then keeps the step's attention scores (rows x heads
 x width x keys) within `PREFILL_SCORES_MAX`. Prompts whose rest fits one chunk go first.
 
-With `long_chunk` (`prefill_attention.long_chunk`), a later chunk that starts on a multiple of it
-runs alone, that many tokens, by the causal kernel: no scores held, so no score bound. Other
-later chunks end on such a multiple, so the next one starts there. While requests decode, a long
-prompt's first chunk (its rest more than one chunk) runs alone too, that many tokens.
+With `long_chunk` (`prefill_attention.long_chunk`), a chunk that starts on a multiple of it is a
+lone chunk: that many tokens, padded, attending by the causal kernel over its own row's keys (no
+scores held, so no score bound). A step of lone chunks carries up to `lone_rows` of them, each row
+attending on its own (`prefill_attention.by_rows`). Other later chunks end on such a multiple, so
+the next one starts there. While requests decode, a long prompt's first chunk (its rest more than
+one chunk) is a lone one too. Steps of lone chunks and steps of the others take turns
+(`lone_first`), so neither kind waits behind a stream of the other.
+
+NOTE: one lone chunk a step was the rule until 2026-12-04, and under 128 agents on an H200 it was
+the whole engine's bottleneck: a prefix hit leaves each request's rest one short step from a
+multiple, then every chunk of it ran alone, so each request took two prefill steps of its own
+(1,688 of 1,696 prefill steps carried one request; a burst's TTFT p50 11 s, and with every turn
+arriving behind the last the backlog never drained).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.config import EngineConfig
-from scheduler_proc.prefill_attention import aligned
 from scheduler_proc.request import Req
 from scheduler_proc.shapes import Ladders
 
 # NOTE: attention scores one prefill step may hold (elements; float32: 1 GiB), `_fit_scores`.
 PREFILL_SCORES_MAX = 1 << 28
+# NOTE: while requests decode, a step of lone chunks reads at most this many keys over its rows
+# (its attention's cost): one 30k-token prompt's chunk alone, as before, or 8 agents' chunks over
+# 4k keys. H200, 4 prompts of 30k tokens beside 64 chats: a lone chunk's step ~10 ms, and two of
+# them a step would double the chats' wait (benchmarks.md).
+LONE_KEYS_BESIDE_DECODE = 1 << 15
+
+
+class StepPlan(NamedTuple):
+    """One prefill step's chunks: (request, tokens) from its `prefilled`; `lone`: lone chunks,
+    each padded to `long_chunk` and attending over its own row's keys."""
+
+    chunks: list[tuple[Req, int]]
+    lone: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,6 +54,7 @@ class PrefillPlanner:
     uniform: bool = False  # equal unpadded chunks (a model whose state absorbs padding)
     beside_decode: int | None = None  # --long-prefill-scores (None: no cap)
     long_chunk: int | None = None  # --long-prefill-chunk (None: off)
+    lone_rows: int = 1  # most lone chunks in one step (1: the model's attention is not ours)
 
     @property
     def scores_limit(self) -> int:
@@ -39,41 +62,51 @@ class PrefillPlanner:
         return PREFILL_SCORES_MAX // self.heads
 
     def plan(
-        self, todo: list[Req], ladders: Ladders, decoding: bool = False
-    ) -> list[tuple[Req, int]]:
+        self, todo: list[Req], ladders: Ladders, decoding: bool = False, lone_first: bool = False
+    ) -> StepPlan:
         """(request, tokens) for one step, from the prefilling requests with a body left;
-        `decoding`: requests are decoding, and wait for this step."""
-        plan = self._plan(todo, ladders)
+        `decoding`: requests are decoding, and wait for this step; `lone_first`: lone chunks
+        go before the others (the step before ran the others)."""
+        cap = None
         if self.long_chunk is not None:
-            plan = self._lone_or_aligned(plan, self.long_chunk, decoding)
-            if len(plan) == 1 and aligned(plan[0][0].prefilled, plan[0][1], self.long_chunk):
-                return plan
+            w = self.long_chunk
+            lone = [r for r in todo if self._lone(r, w, decoding)]
+            rest = [r for r in todo if not self._lone(r, w, decoding)]
+            if lone and (lone_first or not rest):
+                return StepPlan(self._lone_step(lone, w, decoding), lone=True)
+            todo, cap = rest, lambda r: to_multiple(r, w)
+        plan = self._plan(todo, ladders, cap)
         if decoding and self.beside_decode is not None:
-            return self._beside_decode(plan, ladders, self.beside_decode)
+            plan = self._beside_decode(plan, ladders, self.beside_decode)
+        return StepPlan(plan)
+
+    def _lone(self, req: Req, w: int, decoding: bool) -> bool:
+        """Whether the request's next chunk is a lone one: it starts on a multiple of `w` past
+        0, or, while requests decode, it is a long prompt's first (its rest more than a chunk)."""
+        start = req.prefilled
+        if start == 0:
+            return decoding and room(req) > self.chunk_size
+        return start % w == 0
+
+    def _lone_step(self, lone: list[Req], w: int, decoding: bool) -> list[tuple[Req, int]]:
+        """Lone chunks in seating order, as many as the budget holds (`lone_rows`); beside
+        decode, within `LONE_KEYS_BESIDE_DECODE` keys read (the first always runs)."""
+        most = max(1, min(self.lone_rows, self.budget // w))
+        plan: list[tuple[Req, int]] = []
+        keys = 0
+        for req in sorted(lone, key=lambda r: r.seated)[:most]:
+            keys += req.prefilled + w
+            if plan and decoding and keys > LONE_KEYS_BESIDE_DECODE:
+                break
+            plan.append((req, min(room(req), w)))
         return plan
 
-    def _lone_or_aligned(
-        self, plan: list[tuple[Req, int]], w: int, decoding: bool = False
+    def _plan(
+        self, todo: list[Req], ladders: Ladders, cap: Callable[[Req], int] | None = None
     ) -> list[tuple[Req, int]]:
-        """The chunks that are not lone causal ones, each ending by the next multiple of `w`;
-        with none, the first lone one alone. `decoding`: a long prompt's first chunk (its rest
-        more than one chunk) is a lone one too, `w` tokens, so no step beside decode runs more.
-
-        NOTE: H200, 32/8 heads, 32k keys: a 512-query chunk by the causal kernel 0.47 ms a layer
-        against 2.9 ms by ops (whose 64-query chunks, within the score bound, cost 0.86 ms)."""
-        rest = []
-        for req, n in plan:
-            start = req.prefilled
-            if decoding and start == 0 and room(req) > self.chunk_size:
-                continue
-            if not aligned(start, 1, w):
-                rest.append((req, min(n, w - start % w) if start % w else n))
-        if rest:
-            return rest
-        req = plan[0][0]
-        return [(req, min(room(req), w))]
-
-    def _plan(self, todo: list[Req], ladders: Ladders) -> list[tuple[Req, int]]:
+        """`cap`: most tokens of a request's chunk (default `room`; or up to the next lone
+        boundary)."""
+        cap = cap or room
         # NOTE: prompts whose rest fits one chunk first (in arrival order), then longer ones: 4
         # prompts of 30k tokens ahead of 64 chats on an H200 held the chats' first tokens 27 s.
         todo = sorted(todo, key=lambda r: room(r) > self.chunk_size)
@@ -85,10 +118,10 @@ class PrefillPlanner:
             return todo[: max(1, self.budget // width)]
 
         def tokens(width: int) -> tuple[int, int]:  # most tokens, then the narrowest
-            return sum(min(room(r), width) for r in rows(width)), -width
+            return sum(min(cap(r), width) for r in rows(width)), -width
 
         width = max(ladders.widths, key=tokens)
-        plan = [(req, min(room(req), width)) for req in rows(width)]
+        plan = [(req, min(cap(req), width)) for req in rows(width)]
         return self._fit_scores(plan, ladders)
 
     def _beside_decode(
@@ -183,6 +216,12 @@ def room(req: Req) -> int:
     if req.snap_at is not None and req.prefilled < req.snap_at:
         return min(left, req.snap_at - req.prefilled)
     return left
+
+
+def to_multiple(req: Req, w: int) -> int:
+    """`room`, up to the next multiple of `w` for a later chunk (its next chunk a lone one)."""
+    start = req.prefilled
+    return min(room(req), w - start % w) if start % w else room(req)
 
 
 def body_left(req: Req) -> int:

@@ -28,6 +28,9 @@ from scheduler_proc.state_padding import padding_keeps_state
 log = logging.getLogger(__name__)
 
 _PAD_PARAMS = SamplingParams(temperature=0.0)
+# NOTE: the keys of a step of several lone chunks (`PromptSlice.lone`): each row attends over
+# its own, and each row's shape is counted as a lone chunk's `(1, width, keys)`.
+ROW_KEYS = -2
 # NOTE: cuDNN keeps 256 attention graphs (MLX_CUDA_SDPA_CACHE_SIZE); 128 chunk shapes of 512 fit
 # beside the rest. Longer prompts' chunks build when first seen.
 LONG_WARM_KEYS = 65536
@@ -69,11 +72,20 @@ class Runner:
         self.prefill_by_ops = prefill_attention.by_ops(prefill) and bool(
             decode_attention.install(model)
         )
+        # NOTE: without the fused kernel a decode gathers its rows' keys; rows of very different
+        # lengths then attend in groups (`kv_cache.SPLIT_RATIO`), which needs our attention.
+        self.split_decode = not self.fused_decode and bool(decode_attention.install(model))
         if self.prefill_by_ops:
             log.info("prefill attention: MLX ops (no per-shape build)")
         self.long_chunk = prefill_attention.long_chunk(long_chunk, pool.layout, self.prefill_by_ops)
+        # NOTE: several lone chunks a step need each row to attend on its own, which only the
+        # attention `decode_attention.install` routes can do; otherwise one a step.
+        self.lone_rows = 1
+        if self.long_chunk and decode_attention.install(model):
+            self.lone_rows = ladders.rows[-1]
         if self.long_chunk:
-            log.info("long prompts' later chunks: %d tokens, causal kernel", self.long_chunk)
+            many = "several" if self.lone_rows > 1 else "one"
+            log.info("lone chunks: %d tokens, causal kernel, %s a step", self.long_chunk, many)
 
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run
@@ -160,7 +172,8 @@ class Runner:
         longest = max(c.end - c.start for c in chunks)
         width = longest if self.uniform_prefill else self.ladders.pad_width(longest)
         first = chunks[0]
-        lone = len(chunks) == 1 and prefill_attention.aligned(first.start, longest, self.long_chunk)
+        # NOTE: a lone chunk from position 0 alone is a first chunk like any (its own keys)
+        lone = first.lone and self.long_chunk is not None and (len(chunks) > 1 or first.start > 0)
         if lone:  # NOTE: padded to the width, its keys end on a multiple of it (one shape each)
             width = self.long_chunk or width
         n = self.ladders.pad_rows(len(chunks))
@@ -172,13 +185,20 @@ class Runner:
             lengths=[c.end - c.start for c in chunks] + [0] * pad,
             width=width,
         )
-        kv_len = first.start + width if lone else self.ladders.pad_kv(max(c.end for c in chunks))
+        kv_len = (
+            max(plan.starts) + width if lone else self.ladders.pad_kv(max(c.end for c in chunks))
+        )
         tokens = [c.req.fill_ids[c.start : c.end] for c in chunks]
         grid = [t + [0] * (width - len(t)) for t in tokens] + [[0] * width] * pad
         for c in chunks:
             c.req.kv_len = c.end
         view = self.pool.ragged_view(plan, kv_len, by_ops=self.prefill_by_ops, causal=lone)
-        logits = self._forward(mx.array(grid, dtype=mx.int32), view, kv_len, batch)
+        keys = kv_len
+        if lone and n > 1:  # NOTE: each row attends on its own: a shape per row's keys
+            keys = ROW_KEYS
+            for start in plan.starts:
+                self._seen((1, width, start + width), batch)
+        logits = self._forward(mx.array(grid, dtype=mx.int32), view, keys, batch)
         for i, c in enumerate(chunks):
             if c.req.wants_prompt_logprobs:
                 batch.prompt_lps += _prompt_logprobs(logits[i], c)
@@ -219,7 +239,8 @@ class Runner:
             width=1,
         )
         kv_len = self.ladders.pad_decode_kv(max(starts) + 1)
-        return self.pool.ragged_view(plan, kv_len, fused=self.fused_decode), kv_len
+        view = self.pool.ragged_view(plan, kv_len, fused=self.fused_decode, split=self.split_decode)
+        return view, kv_len
 
     def _forward(
         self, tokens: mx.array, cache: list[EntryCache], kv_len: int, batch: Batch | None = None
@@ -230,12 +251,16 @@ class Runner:
         shape = (*tokens.shape, keys)
         if batch is not None:
             batch.shape = shape
+        self._seen(shape, batch)
+        return self.model(tokens, cache=cache)
+
+    def _seen(self, shape: tuple[int, ...], batch: Batch | None) -> None:
+        """Count a shape; first seen after the warm-up, it marks the step (`new_shape`)."""
         if shape not in self.shapes_seen:
             self.shapes_seen.add(shape)
             # NOTE: exact shapes (CPU) are new all the time and cost nothing to build.
             if self.warmed and batch is not None and not self.ladders.exact:
                 batch.new_shape = True
-        return self.model(tokens, cache=cache)
 
     # -- warm-up -------------------------------------------------------------------------------
     def warm_up(
@@ -267,6 +292,11 @@ class Runner:
                 lone = len(plan.slots) == 1 and prefill_attention.aligned(
                     plan.starts[0], plan.width, self.long_chunk
                 )
+                keys = kv_len
+                if kv_len == ROW_KEYS:  # NOTE: several lone chunks (`_warm_lone_rows`)
+                    lone, kv_len = True, max(plan.starts) + plan.width
+                    for start in plan.starts:
+                        self._seen((1, plan.width, start + plan.width), None)
                 view = self.pool.ragged_view(
                     plan,
                     kv_len,
@@ -274,7 +304,7 @@ class Runner:
                     by_ops=self.prefill_by_ops,
                     causal=lone,
                 )
-                logits = self._forward(tokens, view, kv_len)
+                logits = self._forward(tokens, view, keys)
                 state = build_state([_PAD_ROW] * tokens.shape[0], self.vocab)
                 mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
                 done += 1
@@ -323,6 +353,7 @@ class Runner:
         for n, width in pairs:
             yield self._warm_prefill(n, width, lad.pad_kv(width))
         yield from self._warm_long_chunks(held)
+        yield from self._warm_lone_rows(budget_tokens)
         # NOTE: later chunks read more keys: each (rows, width, keys) built on its first use
         # after READY (H200: 20-140 ms steps, every decoding row waiting). Shortest keys first.
         if scores_limit is None:
@@ -344,6 +375,18 @@ class Runner:
         for kv_len in range(2 * w, -(-top // w) * w + 1, w):
             plan = StepRows([self.pool.scratch_slot], [[]], [kv_len - w], [0], width=w)
             yield mx.zeros((1, w), mx.int32), plan, kv_len
+
+    def _warm_lone_rows(self, budget_tokens: int):
+        """Steps of several lone chunks (`PromptSlice.lone`), each row count the budget holds;
+        each row's attention is a lone chunk's, whose keys `_warm_long_chunks` ran.
+
+        NOTE: rows from position 0 read the width's keys, the one lone shape not run there."""
+        w = self.long_chunk
+        if w is None or self.lone_rows == 1:
+            return
+        for n in self.ladders.rows[1:]:
+            if n * w <= budget_tokens:
+                yield mx.zeros((n, w), mx.int32), self._pad_plan(n, w), ROW_KEYS
 
     def _warm_split_decode(self, n: int):
         """A fused decode over rows long enough to split (`decode_attention.split_count`).

@@ -109,9 +109,6 @@ class Scheduler:
             self.chunk_size,
             capacity=plan.pages,
         )
-        prefix = not config.disable_radix_cache
-        self.kv = KVManager(self.pool, prefix, snapshots=plan.slots)
-        self.prefix = self.kv.prefix  # NOTE: None when the cache is off
         self.running = RunningTable(plan.slots)
         self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk_size, exact=on_cpu)
         self.runner = Runner(
@@ -123,6 +120,10 @@ class Scheduler:
             config.prefill_attention,
             config.long_prefill_chunk,
         )
+        prefix = not config.disable_radix_cache
+        align = self.runner.long_chunk if self.runner.lone_rows > 1 else None
+        self.kv = KVManager(self.pool, prefix, snapshots=plan.slots, align=align)
+        self.prefix = self.kv.prefix  # NOTE: None when the cache is off
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
             self.chunk_size,
@@ -131,6 +132,7 @@ class Scheduler:
             uniform=self.runner.uniform_prefill,
             beside_decode=long_prefill_scores(config, on_cpu),
             long_chunk=self.runner.long_chunk,
+            lone_rows=self.runner.lone_rows,
         )
         self.eos = frozenset(eos_token_ids)
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
@@ -156,6 +158,7 @@ class Scheduler:
         self._closed = False
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._prefill_last = False  # the last fresh step was a prefill step
+        self._lone_next = False  # the last prefill step ran chunks other than lone ones
         self.step_times = StepTimes()
         self._trim = heap.malloc_trim()
         # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
@@ -497,12 +500,15 @@ class Scheduler:
         if not todo:
             return []
         decoding = bool(self.running.n_decode)
-        return self._slices(self.planner.plan(todo, self.ladders, decoding))
+        plan = self.planner.plan(todo, self.ladders, decoding, lone_first=self._lone_next)
+        # NOTE: steps of lone chunks and of the others take turns (`PrefillPlanner.plan`)
+        self._lone_next = not plan.lone
+        return self._slices(plan.chunks, plan.lone)
 
-    def _slices(self, plan: list[tuple[Req, int]]) -> list[PromptSlice]:
+    def _slices(self, plan: list[tuple[Req, int]], lone: bool) -> list[PromptSlice]:
         slices = []
         for req, n in plan:
-            slices.append(PromptSlice(req, req.prefilled, req.prefilled + n))
+            slices.append(PromptSlice(req, req.prefilled, req.prefilled + n, lone))
             req.prefilled += n
             self._counters["prefill_tokens"] += n
             if due(req):
@@ -629,7 +635,8 @@ def _slot_bytes(layout: Layout, chunk: int, context: int | None) -> int:
 
 def _describe(batch: Batch) -> str:
     if batch.is_prefill:
-        return f"prefill {len(batch.slices)} chunks, {sum(c.end - c.start for c in batch.slices)} tokens"
+        lone = " (lone)" if batch.slices[0].lone else ""
+        return f"prefill {len(batch.slices)} chunks, {sum(c.end - c.start for c in batch.slices)} tokens{lone}"
     kind = "chained" if batch.chained else "fresh"
     return f"decode ({kind}) {len(batch.decode)} rows + {len(batch.joined)} last prompt tokens"
 

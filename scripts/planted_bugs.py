@@ -48,6 +48,7 @@ DEFAULT_TESTS = (
     "tests/test_scheduler_penalties.py",
     "tests/test_scheduler_sampling.py",
     "tests/test_fair_admission.py",
+    "tests/test_burst.py",
     "tests/test_operations.py",
 )
 MIN_TIMEOUT_S = 600.0
@@ -200,6 +201,30 @@ BUGS = (
         "near = self._sorted[i : i + 1]",
     ),
     Bug(
+        "lone chunks of several rows attend without the causal mask",
+        "scheduler_proc/kv_cache.py",
+        'return RowGroup(slice(i, i + 1), k, v, "causal")',
+        "return RowGroup(slice(i, i + 1), k, v, None)",
+    ),
+    Bug(
+        "decode rows in groups: a row sees one key past its end",
+        "scheduler_proc/kv_cache.py",
+        "mask = (mx.arange(n)[None] < mx.array(ends)[:, None])[:, None, None]",
+        "mask = (mx.arange(n)[None] <= mx.array(ends)[:, None])[:, None, None]",
+    ),
+    Bug(
+        "decode rows in groups: outputs put back in the wrong row order",
+        "scheduler_proc/kv_cache.py",
+        "order = np.argsort([i for g in self._split for i in g])",
+        "order = np.asarray([i for g in self._split for i in g])",
+    ),
+    Bug(
+        "one lone chunk a step (the burst of agents seated one request a step)",
+        "scheduler_proc/runner.py",
+        "            self.lone_rows = ladders.rows[-1]\n",
+        "            self.lone_rows = 1\n",
+    ),
+    Bug(
         "a preempted request recomputes its last token twice",
         "scheduler_proc/request.py",
         "self.fill = self.input_ids + self.output_ids\n",
@@ -277,8 +302,8 @@ BUGS = (
     Bug(
         "prefill chunk starts at 0 instead of the cached length",
         "scheduler_proc/scheduler.py",
-        "slices.append(PromptSlice(req, req.prefilled, req.prefilled + n))",
-        "slices.append(PromptSlice(req, 0, n))",
+        "slices.append(PromptSlice(req, req.prefilled, req.prefilled + n, lone))",
+        "slices.append(PromptSlice(req, 0, n, lone))",
     ),
     # -- prompt-chunk attention, warm-up, in-place copies ------------------------------------
     Bug(
@@ -315,8 +340,8 @@ BUGS = (
     Bug(
         "a lone causal chunk's keys run past its queries (the causal kernel never runs)",
         "scheduler_proc/runner.py",
-        "kv_len = first.start + width if lone else",
-        "kv_len = first.start + width + 32 if lone else",
+        "max(plan.starts) + width if lone else",
+        "max(plan.starts) + width + 32 if lone else",
     ),
     Bug(
         "prompt logprobs read the logits one position late",

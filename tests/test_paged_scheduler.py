@@ -10,6 +10,7 @@ import random
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 from scheduler_util import (
     assert_pages_balanced,
     bucketed,
@@ -24,6 +25,7 @@ from scheduler_util import (
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
 from scheduler_proc import decode_attention
 from scheduler_proc.kv_budget import MAX_AUTO_RUNNING, TYPICAL_REQUEST_TOKENS
 from scheduler_proc.scheduler import Scheduler
@@ -277,10 +279,12 @@ def test_long_prompts_later_chunks_stay_small_while_others_decode(llama):
 
 @pytest.mark.parametrize("warm", [False, True], ids=["exact", "bucketed"])
 def test_long_prompts_later_chunks_run_alone_by_the_causal_kernel(llama, warm):
-    """--long-prefill-chunk: a later chunk starting on a multiple of it runs alone, padded to it,
-    its keys ending on a multiple of it (bottom-right causal, no mask): chunks that start off a
-    multiple (after a prefix hit) end on one first, the last chunk is padded, chats decode beside;
-    every token as mlx-lm's. Bucketed: the GPU's shapes, each warmed before the first request."""
+    """--long-prefill-chunk: a later chunk starting on a multiple of it is a lone chunk, padded
+    to it, its keys ending on a multiple of it (bottom-right causal, no mask), in a step of lone
+    chunks only, several a step, each row attending on its own: a prefix hit is cut back to a
+    multiple when the rest crosses one, chunks that start off a multiple end on one first, the
+    last chunk is padded, chats decode beside; every token as mlx-lm's. Bucketed: the GPU's
+    shapes, each warmed before the first request."""
     w = 32
     rng = random.Random(15)
     system = random_prompt(rng, 75)  # NOTE: a hit of 75 tokens starts off a multiple of 32
@@ -296,21 +300,25 @@ def test_long_prompts_later_chunks_run_alone_by_the_causal_kernel(llama, warm):
     assert sched.runner.long_chunk == sched.planner.long_chunk == w
     assert decode_attention.install(llama)  # NOTE: counts the attention calls (as on CUDA)
     before = decode_attention.counts.prefill_causal
-    lone: list[tuple[int, int]] = []
+    lone: list[tuple[str, int, int]] = []
+    rows: list[int] = []
 
     def on_launch(batch) -> None:
+        if any(c.lone for c in batch.slices):
+            assert all(c.lone for c in batch.slices), "a lone chunk in a step with others"
+            rows.append(len(batch.slices))
         for c in batch.slices:
-            if c.start and c.start % w == 0:
-                assert len(batch.slices) == 1, "a lone chunk in a step with others"
-                assert c.end - c.start <= w
-                lone.append((c.start, c.end))
+            if c.lone:
+                assert c.start % w == 0 and c.end - c.start <= w
+                lone.append((c.req.rid, c.start, c.end))
             elif c.start % w:
                 assert c.end <= (c.start // w + 1) * w, "a chunk crossed a multiple of the width"
 
     sched.on_launch = on_launch
     _parity(sched, llama, reqs)
-    assert any(e % w for _, e in lone), "no padded last chunk"
-    assert any(s > 75 and s % w == 0 for s, _ in lone), "the hit never realigned"
+    assert any(e % w for _, _, e in lone), "no padded last chunk"
+    assert ("hit", 64, 96) in lone, "the hit was not cut back to a multiple"
+    assert max(rows) > 1, "never several lone chunks in one step"
     assert decode_attention.counts.prefill_causal - before >= len(lone) * 2  # NOTE: 2 layers
 
 
@@ -446,3 +454,86 @@ def test_admission_leaves_a_page_for_every_decoding_request(llama):
     drive(sched, arrivals)
     assert any(n > 0 for _, n in seen), "no admission beside decoding requests"
     assert all(free >= n for free, n in seen), seen
+
+
+def test_lone_chunks_several_a_step_give_mlx_lms_logprobs(llama):
+    """Lone chunks of several prompts in one step, each row attending on its own over its own
+    keys (`prefill_attention.by_rows`): every token's logprob is mlx-lm's to float tolerance, a
+    bound tight enough to see a row's queries read one key past their own (greedy tokens of a
+    2-layer random model over 300 keys do not move for that)."""
+    w = 32
+    rng = random.Random(15)
+    prompts = [random_prompt(rng, 200 + 37 * i) for i in range(3)]
+    sched = make_scheduler(
+        llama, chunked_prefill_size=64, max_prefill_tokens=128, long_prefill_chunk=w
+    )
+    rows: list[int] = []
+    sched.on_launch = lambda b: rows.append(len(b.slices)) if b.slices and b.slices[0].lone else 0
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = drive(sched, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    assert max(rows) == 3, rows
+    for i, prompt in enumerate(prompts):
+        got = [lp.logprob for o in outs[f"r{i}"] for lp in o.logprobs]
+        steps = generate_step(
+            mx.array(prompt), llama, max_tokens=4, sampler=lambda x: mx.argmax(x, axis=-1)
+        )
+        want = [float(lp[int(tok)]) for tok, lp in steps]
+        assert got == pytest.approx(want, abs=1e-4), f"r{i}"
+
+
+def test_decode_rows_of_very_different_lengths_attend_in_groups(llama):
+    """A long request decoding beside short ones: the rows attend in groups by length, each
+    reading up to its own longest row, every token's logprob mlx-lm's; a decode step's memory
+    no longer grows with rows x the longest row (a 7,000-token request made 15 short streams
+    decode 35x slower on this CPU: every row's keys were gathered to its length)."""
+    rng = random.Random(23)
+    prompts = [random_prompt(rng, 1500)] + [random_prompt(rng, 20 + 3 * i) for i in range(15)]
+    sched = make_scheduler(llama, chunked_prefill_size=512, max_prefill_tokens=2048)
+    assert sched.runner.split_decode
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    before = decode_attention.counts.grouped
+    outs = drive(sched, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    assert decode_attention.counts.grouped > before
+    for i, prompt in enumerate(prompts):
+        got = [lp.logprob for o in outs[f"r{i}"] for lp in o.logprobs]
+        steps = generate_step(
+            mx.array(prompt), llama, max_tokens=6, sampler=lambda x: mx.argmax(x, axis=-1)
+        )
+        want = [float(lp[int(tok)]) for tok, lp in steps]
+        assert got == pytest.approx(want, abs=1e-4), f"r{i}"
+
+
+def _decode_peak(model, split: bool) -> tuple[int, int]:
+    """Peak memory over decode steps of 15 short rows beside one of 3,000 tokens, and what one
+    layer's K of a row of 3,000 tokens holds."""
+    sched = make_scheduler(
+        model,
+        chunked_prefill_size=1024,
+        max_prefill_tokens=4096,
+        context_length=4096,
+        max_total_tokens=16 * 4096,
+    )
+    sched.runner.split_decode = split
+    rng = random.Random(5)
+    sched.submit("long", random_prompt(rng, 3000), greedy(40))
+    for i in range(15):
+        sched.submit(f"s{i}", random_prompt(rng, 20), greedy(40))
+    while sched.running.n_decode < 16:
+        sched.step()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(4):
+        sched.step()
+    mx.synchronize()
+    layer = sched.pool.shapes[0]
+    return mx.get_peak_memory() - base, 3000 * layer.kv_heads * layer.k_dim * layer.dtype.size
+
+
+def test_a_decode_beside_a_long_row_reads_no_short_row_to_its_length(llama):
+    grouped, row = _decode_peak(llama, split=True)
+    padded, _ = _decode_peak(llama, split=False)
+    # NOTE: padded, 16 rows x 3,000 keys of K and V (a layer's, two layers' at the peak);
+    # grouped, the long row's own gather (its decode pages break its run) and the short rows'.
+    assert padded > 24 * row, (padded, row)
+    assert grouped < padded / 3, (grouped, padded, row)
