@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from mlx_engine.bench.client import RequestResult, Target, request_body
-from mlx_engine.bench.metrics import percentile, summarize
+from mlx_engine.bench.metrics import percentile, step_figures, summarize
 from mlx_engine.bench.workload import (
     jsonl_workload,
     multiturn_workload,
@@ -59,8 +59,8 @@ def test_workloads_are_deterministic_for_a_seed(tmp_path):
     assert a != random_workload(20, (4, 12), (2, 6), seed=8)
     for s in a.sessions:
         assert 4 <= len(s.turns[0].split()) - 1 <= 12 and 2 <= s.max_tokens <= 6
-    chat = multiturn_workload(3, 4, system_len=50, user_len=5, output_len=8, seed=1)
-    assert chat == multiturn_workload(3, 4, system_len=50, user_len=5, output_len=8, seed=1)
+    chat = multiturn_workload(3, 4, system_len=50, user_len=(5, 5), output_len=8, seed=1)
+    assert chat == multiturn_workload(3, 4, system_len=50, user_len=(5, 5), output_len=8, seed=1)
     assert chat.num_requests == 12 and len({s.system for s in chat.sessions}) == 1
     path = tmp_path / "p.jsonl"
     lines = [{"prompt": "hi"}, {"messages": [{"role": "system", "content": "s"}]}]
@@ -77,8 +77,24 @@ def test_workloads_are_deterministic_for_a_seed(tmp_path):
         parse_range("9:2")
 
 
+def test_a_multiturn_workload_draws_every_turns_length_from_its_range():
+    """`--input-len LOW:HIGH` per turn (an agent's tool results vary): only the low bound was
+    used, for every turn of every user."""
+    chat = multiturn_workload(16, 4, system_len=5, user_len=(10, 60), output_len=4, seed=3)
+    lengths = [len(t.split()) for s in chat.sessions for t in s.turns]
+    assert min(lengths) >= 10 and max(lengths) <= 60 and len(set(lengths)) > 16, lengths
+
+
+def test_step_figures_come_from_the_counters_over_the_run():
+    before = {"prefill_tokens": 100, "steps_prefill": 2, "steps_chained": 5, "steps_launched": 10}
+    after = {"prefill_tokens": 4100, "steps_prefill": 4, "steps_chained": 35, "steps_launched": 50}
+    figs = step_figures(before, after)
+    assert figs == {"prefill_tokens_per_step": 2000.0, "chained_share": 0.75}
+    assert all(math.isnan(v) for v in step_figures({}, {}).values())
+
+
 def test_request_body_carries_history_and_the_servers_fields():
-    chat = multiturn_workload(1, 2, system_len=3, user_len=2, output_len=4).sessions[0]
+    chat = multiturn_workload(1, 2, system_len=3, user_len=(2, 2), output_len=4).sessions[0]
     history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     history.append({"role": "user", "content": "c"})
     body = request_body(chat, history, Target("x", "http://h", {"ignore_eos": True}))
@@ -106,6 +122,13 @@ def test_bench_against_a_tiny_engine_and_mlx_lm(tiny_model_dir, tmp_path):
     assert "mlx-engine" in stdout and "mlx_lm.server (as shipped)" in stdout
     assert "vs mlx_lm.server (as shipped)" in stdout and "cold" in stdout
     report = json.loads((out / "bench.json").read_text())
+    # NOTE: the engine's step figures from its own counters; a peer has none (null)
+    ours, peer = (
+        report["engines"][0]["levels"][0]["warm"],
+        report["engines"][1]["levels"][0]["warm"],
+    )
+    assert ours["prefill_tokens_per_step"] > 0 and 0 <= ours["chained_share"] <= 1, ours
+    assert peer["prefill_tokens_per_step"] is None and peer["chained_share"] is None
     for engine in report["engines"]:
         # NOTE: the cold wave is the first request after start (--concurrency 1,2 starts at 1),
         # then every level runs the whole workload; every request gives exactly 5 tokens on every

@@ -48,6 +48,8 @@ STATS = (
     _counter("prefill_tokens", "Prompt tokens computed (prefix cache hits excluded)"),
     _counter("prefix_cache_hit_tokens", "Prompt tokens reused from the cache"),
     _counter("steps_launched", "Model steps launched on the device"),
+    _counter("steps_prefill", "Steps whose forward ran prompt chunks"),
+    _counter("steps_chained", "Steps launched on the step before's lazy tokens (overlap loop)"),
     _counter("requests_received", "Generation requests received"),
     _counter("requests_rejected", "Requests refused with an error"),
 )

@@ -147,3 +147,22 @@ async def _session(
             return
         # NOTE: each server continues from its own reply, as a real chat would.
         history.append({"role": "assistant", "content": result.text})
+
+
+def read_counters(target: Target, names: tuple[str, ...]) -> dict[str, float]:
+    """The engine's Prometheus counters `names` (`mlx_engine_<name>_total`) from `/metrics`;
+    empty for a server without them (a peer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(target.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = name.removeprefix("mlx_engine_").removesuffix("_total")
+        if key in names and name.startswith("mlx_engine_"):
+            out[key] = float(value)
+    return out

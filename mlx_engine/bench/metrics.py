@@ -39,6 +39,9 @@ class Summary:
     ttft: dict[str, float]
     itl: dict[str, float]
     e2e: dict[str, float]
+    # NOTE: from the server's own counters over the run (this engine's /metrics; nan elsewhere)
+    prefill_tokens_per_step: float = math.nan
+    chained_share: float = math.nan
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,3 +76,18 @@ def time_per_token(r: RequestResult) -> float | None:
     if r.first is None or r.completion_tokens < 2:
         return None
     return (r.chunk_times[-1] - r.first) / (r.completion_tokens - 1)
+
+
+# NOTE: the engine's counters (tokenizer_proc/metrics.py) the step figures are made of
+STEP_COUNTERS = ("prefill_tokens", "steps_prefill", "steps_chained", "steps_launched")
+
+
+def step_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens per prefill step and the share of steps chained in the overlap loop, over
+    the run between two reads of the counters (nan where the server has none)."""
+    d = {k: after.get(k, math.nan) - before.get(k, math.nan) for k in STEP_COUNTERS}
+    ratio = lambda a, b: a / b if b and not math.isnan(b) else math.nan  # noqa: E731
+    return {
+        "prefill_tokens_per_step": ratio(d["prefill_tokens"], d["steps_prefill"]),
+        "chained_share": ratio(d["steps_chained"], d["steps_launched"]),
+    }

@@ -34,19 +34,30 @@ def _row(name: str, label: str, s: Summary) -> str:
         f"{name:<34}{label:>16}{s.request_throughput:>8.2f}{s.output_throughput:>9.1f}"
         f"{s.total_throughput:>9.1f}{_ms(s.ttft['p50']):>8}{_ms(s.ttft['p90']):>8}"
         f"{_ms(s.ttft['p99']):>8}{_ms(s.itl['p50']):>7}{_ms(s.itl['p99']):>7}"
-        f"{_ms(s.e2e['p50']):>8}{_ms(s.e2e['p99']):>8}{s.errors:>5}/{s.requests}"
+        f"{_ms(s.e2e['p50']):>8}{_ms(s.e2e['p99']):>8}{_n(s.prefill_tokens_per_step):>8}"
+        f"{_pct(s.chained_share):>7}{s.errors:>5}/{s.requests}"
     )
+
+
+def _n(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0f}"
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 100:.0f}%"
 
 
 HEADER = (
     f"{'engine':<34}{'load':>16}{'req/s':>8}{'out t/s':>9}{'tot t/s':>9}{'TTFT50':>8}"
-    f"{'TTFT90':>8}{'TTFT99':>8}{'ITL50':>7}{'ITL99':>7}{'e2e50':>8}{'e2e99':>8}{'err':>5}"
+    f"{'TTFT90':>8}{'TTFT99':>8}{'ITL50':>7}{'ITL99':>7}{'e2e50':>8}{'e2e99':>8}{'pf/step':>8}"
+    f"{'chain':>7}{'err':>5}"
 )
 
 
 def table(engines: list[EngineResult]) -> str:
     """Warm rows per engine and load, then the cold first waves, then ratios to the first engine.
-    Times in milliseconds."""
+    Times in milliseconds; `pf/step`: prompt tokens per prefill step, `chain`: the share of
+    steps chained in the overlap loop (the engine's own counters; `-` for a peer)."""
     lines = [HEADER]
     for e in engines:
         lines += [_row(e.name, lv.load.label(), lv.warm) for lv in e.levels]

@@ -11,13 +11,13 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mlx_engine.bench import servers
-from mlx_engine.bench.client import Load, Target, run_load
-from mlx_engine.bench.metrics import summarize
+from mlx_engine.bench.client import Load, Target, read_counters, run_load
+from mlx_engine.bench.metrics import STEP_COUNTERS, Summary, step_figures, summarize
 from mlx_engine.bench.report import EngineResult, Level, plot, table, write_json
 from mlx_engine.bench.workload import (
     Workload,
@@ -79,7 +79,7 @@ def build_workload(cfg: BenchConfig) -> Workload:
         return jsonl_workload(cfg.dataset, cfg.num_requests, out, cfg.seed)  # type: ignore[arg-type]
     if cfg.workload == "multiturn":
         users = max(1, cfg.num_requests // cfg.turns)
-        user_len = parse_range(cfg.input_len)[0]
+        user_len = parse_range(cfg.input_len)
         return multiturn_workload(users, cfg.turns, cfg.system_len, user_len, out[1], cfg.seed)
     return random_workload(cfg.num_requests, parse_range(cfg.input_len), out, cfg.seed)
 
@@ -116,16 +116,23 @@ def measure(target: Target, work: Workload, cfg: BenchConfig) -> EngineResult:
     started), then the whole workload at every load."""
     from tqdm import tqdm
 
-    def run(w: Workload, load: Load, cold: bool) -> list:
+    def run(w: Workload, load: Load, cold: bool) -> Summary:
         desc = f"{target.name[:28]} {'cold wave' if cold else load.label()}"
+        before = read_counters(target, STEP_COUNTERS)
         with tqdm(total=w.num_requests, desc=desc, disable=not cfg.progress, leave=False) as bar:
-            return asyncio.run(run_load(target, w, load, seed=cfg.seed, bar=bar))
+            results = asyncio.run(run_load(target, w, load, seed=cfg.seed, bar=bar))
+        steps = step_figures(before, read_counters(target, STEP_COUNTERS))
+        return replace(
+            summarize(results),
+            prefill_tokens_per_step=steps["prefill_tokens_per_step"],
+            chained_share=steps["chained_share"],
+        )
 
     first = cfg.concurrency[0]
     cold = Workload(work.name, work.sessions[:first])
-    result = EngineResult(target.name, cold=summarize(run(cold, Load(first), cold=True)))
+    result = EngineResult(target.name, cold=run(cold, Load(first), cold=True))
     for load in cfg.loads():
-        result.levels.append(Level(load, summarize(run(work, load, cold=False))))
+        result.levels.append(Level(load, run(work, load, cold=False)))
     return result
 
 

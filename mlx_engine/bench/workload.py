@@ -108,13 +108,23 @@ def _session(line: dict[str, Any], max_tokens: int) -> Session:
 
 
 def multiturn_workload(
-    users: int, turns: int, system_len: int, user_len: int, output_len: int, seed: int = 0
+    users: int,
+    turns: int,
+    system_len: int,
+    user_len: tuple[int, int],
+    output_len: int,
+    seed: int = 0,
 ) -> Workload:
-    """`users` chats sharing one long system prompt, `turns` user messages each."""
+    """`users` chats sharing one long system prompt, `turns` user messages each, every message's
+    length drawn from `user_len` (an agent's tool results vary turn by turn)."""
     rng = random.Random(seed)
     system = "You are a helpful assistant. " + _words(rng, system_len)
     sessions = tuple(
-        Session(tuple(_words(rng, user_len) for _ in range(turns)), output_len, system=system)
+        Session(
+            tuple(_words(rng, rng.randint(*user_len)) for _ in range(turns)),
+            output_len,
+            system=system,
+        )
         for _ in range(users)
     )
     return Workload(
