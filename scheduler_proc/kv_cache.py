@@ -137,6 +137,18 @@ class _RowView:
         return None
 
 
+@dataclass(frozen=True)
+class _GroupReads:
+    """A group of decode rows' reads, the same in every layer (`_RaggedView._decode_reads`)."""
+
+    rows: mx.array
+    tables: list[list[int]]
+    pages: mx.array
+    keys: int
+    run: bool
+    mask: mx.array | None
+
+
 class _RaggedView:
     """A padded batch of R rows x T query positions over the pool, for one forward.
 
@@ -200,9 +212,11 @@ class _RaggedView:
         self.by_ops = by_ops and t > 1
         # NOTE: a decode whose rows read very different numbers of keys (one long request among
         # short ones) attends in groups, each reading up to its own longest row: gathered to
-        # the longest row, a 7,000-token request made 15 short streams decode 35x slower (CPU).
+        # the longest row, a 7,000-token request made 15 short streams decode ~30x slower (CPU).
         self._split = self._decode_split() if split and t == 1 and not self.fused else None
         self.grouped = self.by_rows or self._split is not None
+        self._group_reads: list[_GroupReads] | None = None
+        self._group_order: mx.array | None = None
 
     def _write_slots(self, tables: np.ndarray) -> np.ndarray:
         """Slot of every (row, query) position, row-major; padding to the scratch page.
@@ -242,9 +256,12 @@ class _RaggedView:
             return Groups([self._lone_row(i, keys, values) for i in range(len(self.plan.slots))])
         if self._split is None:
             return None
-        parts = [self._decode_group(g, keys, values) for g in self._split]
-        order = np.argsort([i for g in self._split for i in g])
-        return Groups(parts, mx.array(order.astype(np.int32)))
+        if self._group_reads is None:  # NOTE: once per forward, shared by every layer
+            self._group_reads = [self._decode_reads(g) for g in self._split]
+            order = np.argsort([i for g in self._split for i in g]).astype(np.int32)
+            self._group_order = mx.array(order)
+        parts = [self._decode_group(r, keys, values) for r in self._group_reads]
+        return Groups(parts, self._group_order)
 
     def _lone_row(self, i: int, keys: mx.array, values: mx.array) -> RowGroup:
         """Row i's keys and values `[0, starts[i] + width)`, gathered alone (a lone chunk's
@@ -254,22 +271,25 @@ class _RaggedView:
         k, v = pool.gather([table], n, keys, pages), pool.gather([table], n, values, pages)
         return RowGroup(slice(i, i + 1), k, v, "causal")
 
-    def _decode_group(self, rows: list[int], keys: mx.array, values: mx.array) -> RowGroup:
-        """Decode rows `rows` over their keys up to the longest of them: one row's pages in
-        one run are a slice (no copy)."""
+    def _decode_reads(self, rows: list[int]) -> _GroupReads:
+        """What decode rows `rows` read: keys up to the longest of them, through their pages
+        (one row's pages in one run: a slice, no copy), and the mask of the shorter ones."""
         pool, plan = self.pool, self.plan
         ends = [max(plan.starts[i] + plan.lengths[i], 1) for i in rows]
         n = max(ends)
         tables = [plan.tables[i] for i in rows]
         run = len(rows) == 1 and contiguous_run(tables[0], pool.pages_for(n))
         index = mx.array(np.asarray(rows, dtype=np.int32))
-        pages = self._tables[index][:, : pool.pages_for(n)]
-        k = pool.gather(tables, n, keys, pages, run)
-        v = pool.gather(tables, n, values, pages, run)
         mask = None
         if min(ends) < n:  # NOTE: (G, 1, 1, n): row r sees its first ends[r] keys
             mask = (mx.arange(n)[None] < mx.array(ends)[:, None])[:, None, None]
-        return RowGroup(index, k, v, mask)
+        pages = self._tables[index][:, : pool.pages_for(n)]
+        return _GroupReads(index, tables, pages, n, run, mask)
+
+    def _decode_group(self, r: _GroupReads, keys: mx.array, values: mx.array) -> RowGroup:
+        k = self.pool.gather(r.tables, r.keys, keys, r.pages, r.run)
+        v = self.pool.gather(r.tables, r.keys, values, r.pages, r.run)
+        return RowGroup(r.rows, k, v, r.mask)
 
     def fused_keys(self, window: int | None) -> PagedKeys | None:
         """A fused full-attention layer's keys: per-row counts, their host bound and the table."""

@@ -215,8 +215,8 @@ BUGS = (
     Bug(
         "decode rows in groups: outputs put back in the wrong row order",
         "scheduler_proc/kv_cache.py",
-        "order = np.argsort([i for g in self._split for i in g])",
-        "order = np.asarray([i for g in self._split for i in g])",
+        "order = np.argsort([i for g in self._split for i in g]).astype(np.int32)",
+        "order = np.asarray([i for g in self._split for i in g]).astype(np.int32)",
     ),
     Bug(
         "one lone chunk a step (the burst of agents seated one request a step)",

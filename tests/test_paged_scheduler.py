@@ -469,13 +469,18 @@ def test_lone_chunks_several_a_step_give_mlx_lms_logprobs(llama):
     )
     rows: list[int] = []
     sched.on_launch = lambda b: rows.append(len(b.slices)) if b.slices and b.slices[0].lone else 0
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
-    outs = drive(sched, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    _assert_mlx_lms_logprobs(sched, llama, prompts, 4)
     assert max(rows) == 3, rows
+
+
+def _assert_mlx_lms_logprobs(sched, model, prompts: list[list[int]], n: int) -> None:
+    """All prompts at once, `n` greedy tokens each: every logprob mlx-lm's to 1e-4."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = drive(sched, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
     for i, prompt in enumerate(prompts):
         got = [lp.logprob for o in outs[f"r{i}"] for lp in o.logprobs]
         steps = generate_step(
-            mx.array(prompt), llama, max_tokens=4, sampler=lambda x: mx.argmax(x, axis=-1)
+            mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, axis=-1)
         )
         want = [float(lp[int(tok)]) for tok, lp in steps]
         assert got == pytest.approx(want, abs=1e-4), f"r{i}"
@@ -490,17 +495,9 @@ def test_decode_rows_of_very_different_lengths_attend_in_groups(llama):
     prompts = [random_prompt(rng, 1500)] + [random_prompt(rng, 20 + 3 * i) for i in range(15)]
     sched = make_scheduler(llama, chunked_prefill_size=512, max_prefill_tokens=2048)
     assert sched.runner.split_decode
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
     before = decode_attention.counts.grouped
-    outs = drive(sched, {0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    _assert_mlx_lms_logprobs(sched, llama, prompts, 6)
     assert decode_attention.counts.grouped > before
-    for i, prompt in enumerate(prompts):
-        got = [lp.logprob for o in outs[f"r{i}"] for lp in o.logprobs]
-        steps = generate_step(
-            mx.array(prompt), llama, max_tokens=6, sampler=lambda x: mx.argmax(x, axis=-1)
-        )
-        want = [float(lp[int(tok)]) for tok, lp in steps]
-        assert got == pytest.approx(want, abs=1e-4), f"r{i}"
 
 
 def _decode_peak(model, split: bool) -> tuple[int, int]:
