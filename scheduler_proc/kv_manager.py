@@ -224,6 +224,7 @@ def lone_start(hit: int, body: int, w: int) -> int:
     first, which attends by the score-bound path (H200, 128 agents: one such chunk a step).
 
     NOTE: it recomputes `hit % w` cached tokens (below `w`); a rest that ends before the next
-    multiple (a warm turn: a few tokens) keeps its whole hit."""
+    multiple (a warm turn: a few tokens) keeps its whole hit, and so does a hit under `w` (its
+    chunk up to `w` reads few keys, so many run a step; cut, it would recompute the hit)."""
     cut = hit % w
-    return hit - cut if cut and body - hit > w - cut else hit
+    return hit - cut if hit > w and body - hit > w - cut else hit

@@ -332,6 +332,7 @@ class Scheduler:
             "prefill_attention_ops_calls": decode_attention.counts.prefill_ops,
             "prefill_attention_causal_calls": decode_attention.counts.prefill_causal,
             "decode_attention_split_calls": decode_attention.counts.split,
+            "decode_attention_grouped_calls": decode_attention.counts.grouped,
             "gc_frozen_objects": child.frozen_objects,  # NOTE: start-up's, out of the collector's way
             "grammar_masked_rows": self.grammars.masks,
             "grammar_mask_s": round(self.grammars.mask_s, 4),

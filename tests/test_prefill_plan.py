@@ -85,8 +85,8 @@ def test_lone_steps_and_the_others_take_turns():
 
 def test_a_hit_is_cut_back_to_a_multiple_when_its_rest_crosses_one():
     """Its chunks are then lone ones only; a rest that ends before the next multiple (a warm
-    turn's few tokens) keeps its whole hit."""
+    turn's few tokens) keeps its whole hit, and so does a hit under the width."""
     assert lone_start(2100, 2999, LONG) == 2048  # NOTE: the rest runs to 2999
     assert lone_start(2100, 2110, LONG) == 2100  # NOTE: 10 tokens, before 2560
     assert lone_start(2048, 2999, LONG) == 2048
-    assert lone_start(300, 2999, LONG) == 0
+    assert lone_start(300, 2999, LONG) == 300  # NOTE: a hit under the width is kept whole
