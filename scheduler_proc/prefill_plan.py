@@ -7,7 +7,7 @@ x width x keys) within `PREFILL_SCORES_MAX`. Prompts whose rest fits one chunk g
 With `long_chunk` (`prefill_attention.long_chunk`), a chunk that starts on a multiple of it is a
 lone chunk: that many tokens, padded, attending by the causal kernel over its own row's keys (no
 scores held, so no score bound). A step of lone chunks carries up to `lone_rows` of them, each row
-attending on its own (`prefill_attention.by_rows`). Other later chunks end on such a multiple, so
+attending on its own (`decode_attention.by_groups`). Other later chunks end on such a multiple, so
 the next one starts there. While requests decode, a long prompt's first chunk (its rest more than
 one chunk) is a lone one too. Steps of lone chunks and steps of the others take turns
 (`lone_first`), so neither kind waits behind a stream of the other.

@@ -458,7 +458,7 @@ def test_admission_leaves_a_page_for_every_decoding_request(llama):
 
 def test_lone_chunks_several_a_step_give_mlx_lms_logprobs(llama):
     """Lone chunks of several prompts in one step, each row attending on its own over its own
-    keys (`prefill_attention.by_rows`): every token's logprob is mlx-lm's to float tolerance, a
+    keys (`decode_attention.by_groups`): every token's logprob is mlx-lm's to float tolerance, a
     bound tight enough to see a row's queries read one key past their own (greedy tokens of a
     2-layer random model over 300 keys do not move for that)."""
     w = 32
