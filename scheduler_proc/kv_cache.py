@@ -45,7 +45,7 @@ class StepRows:
 
 
 # NOTE: a decode step splits its rows where a row holds fewer than half the keys of the longest
-# row of its group, each group reading only up to its own longest (`_RaggedView._split`).
+# row of its group, each group reading only up to its own longest (`length_groups`).
 SPLIT_RATIO = 2
 
 
@@ -213,7 +213,8 @@ class _RaggedView:
         # NOTE: a decode whose rows read very different numbers of keys (one long request among
         # short ones) attends in groups, each reading up to its own longest row: gathered to
         # the longest row, a 7,000-token request made 15 short streams decode ~30x slower (CPU).
-        self._split = self._decode_split() if split and t == 1 and not self.fused else None
+        ends = [max(s + n, 1) for s, n in zip(plan.starts, plan.lengths, strict=True)]
+        self._split = length_groups(ends) if split and t == 1 and not self.fused else None
         self.grouped = self.by_rows or self._split is not None
         self._group_reads: list[_GroupReads] | None = None
         self._group_order: mx.array | None = None
@@ -233,22 +234,6 @@ class _RaggedView:
         index = np.where(real, pos // page, 0)
         own = np.take_along_axis(tables, index, axis=1).astype(np.int64) * page + pos % page
         return np.where(real, own, self.pool.scratch_page * page + t % page).reshape(-1)
-
-    def _decode_split(self) -> list[list[int]] | None:
-        """The decode rows in groups, longest first: a row starts a new group when it reads
-        fewer than 1 / SPLIT_RATIO of its group's longest; None when that saves under a
-        quarter of the keys read (one group, the padded batch)."""
-        ends = [max(s + n, 1) for s, n in zip(self.plan.starts, self.plan.lengths, strict=True)]
-        order = sorted(range(len(ends)), key=lambda i: -ends[i])
-        groups: list[list[int]] = []
-        for i in order:
-            if not groups or ends[i] * SPLIT_RATIO < ends[groups[-1][0]]:
-                groups.append([])
-            groups[-1].append(i)
-        read = sum(len(g) * ends[g[0]] for g in groups)
-        if len(groups) == 1 or read * 4 > len(ends) * ends[order[0]] * 3:
-            return None
-        return groups
 
     def groups(self, keys: mx.array, values: mx.array) -> Groups | None:
         """A full layer's attention in parts (`grouped`), from its buffers after the write."""
@@ -360,6 +345,22 @@ class _RaggedView:
 
 
 View = _RowView | _RaggedView
+
+
+def length_groups(ends: list[int]) -> list[list[int]] | None:
+    """Decode rows (`ends`: keys each reads) in groups, longest first: a row starts a new group
+    when it reads fewer than 1 / SPLIT_RATIO of its group's longest; None when that saves under
+    a quarter of the keys read (one group: the padded batch)."""
+    order = sorted(range(len(ends)), key=lambda i: -ends[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if not groups or ends[i] * SPLIT_RATIO < ends[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    read = sum(len(g) * ends[g[0]] for g in groups)
+    if len(groups) == 1 or read * 4 > len(ends) * ends[order[0]] * 3:
+        return None
+    return groups
 
 
 def ragged_mask(starts: mx.array, width: int, kv_len: int, window: int | None) -> mx.array:

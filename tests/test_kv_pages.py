@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from engine.sampling_params import SamplingParams
-from scheduler_proc.kv_cache import token_slots
+from scheduler_proc.kv_cache import length_groups, token_slots
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.pages import PageAllocator
 from scheduler_proc.radix_cache import Hit, Node, RadixCache
@@ -544,3 +544,12 @@ def test_a_refused_admission_keeps_the_cache() -> None:
     assert not kv.seat(b, reserve=0)
     check(kv, pool, [a])
     assert _state(kv) == before, "a refused admission evicted the cache for nothing"
+
+
+def test_decode_rows_are_grouped_by_length_only_where_it_saves_reads():
+    """One long row among short ones reads alone; rows of like lengths stay one batch; a split
+    saving under a quarter of the keys read is not made (each group costs a gather and a call)."""
+    assert length_groups([200] * 15 + [7000]) == [[15], list(range(15))]
+    assert length_groups([900, 1000, 1200, 1800]) is None
+    assert length_groups([1000, 450, 1000, 1000]) is None  # NOTE: would save 14 % of the reads
+    assert length_groups([4000, 1900, 900, 1]) == [[0], [1], [2], [3]]
