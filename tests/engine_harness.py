@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` consecutive free ports: a hostfile's ports and the one above its highest, where
+    rank 0 listens for the frame links (a free port alone once had that one taken: 'Address
+    already in use' in a full suite run)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            with ExitStack() as held:
+                for p in range(base, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", p))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class LaunchedEngine:

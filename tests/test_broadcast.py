@@ -104,9 +104,10 @@ TWO_RANKS = textwrap.dedent(
 
 @pytest.mark.parametrize("frames", ["tcp", "collective"])
 def test_two_ring_ranks_share_the_inbox_agree_on_kv_and_catch_drift(frames: str, tmp_path: Path):
-    from engine_harness import free_port
+    from engine_harness import free_ports
 
-    ports = [str(free_port()), str(free_port())]
+    # NOTE: and the port above the highest, where rank 0 listens for the frame links
+    ports = [str(p) for p in free_ports(3)[:2]]
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(f'[["127.0.0.1:{ports[0]}"], ["127.0.0.1:{ports[1]}"]]')
     procs = [
