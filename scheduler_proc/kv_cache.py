@@ -139,14 +139,15 @@ class _RowView:
 
 @dataclass(frozen=True)
 class _GroupReads:
-    """A group of decode rows' reads, the same in every layer (`_RaggedView._decode_reads`)."""
+    """What a group of rows reads, the same in every layer (`_RaggedView.groups`): a lone
+    chunk's row (`_lone_reads`) or decode rows of like lengths (`_decode_reads`)."""
 
-    rows: mx.array
+    rows: slice | mx.array
     tables: list[list[int]]
     pages: mx.array
     keys: int
     run: bool
-    mask: mx.array | None
+    mask: mx.array | str | None
 
 
 class _RaggedView:
@@ -237,24 +238,24 @@ class _RaggedView:
 
     def groups(self, keys: mx.array, values: mx.array) -> Groups | None:
         """A full layer's attention in parts (`grouped`), from its buffers after the write."""
-        if self.by_rows:
-            return Groups([self._lone_row(i, keys, values) for i in range(len(self.plan.slots))])
-        if self._split is None:
-            return None
         if self._group_reads is None:  # NOTE: once per forward, shared by every layer
-            self._group_reads = [self._decode_reads(g) for g in self._split]
-            order = np.argsort([i for g in self._split for i in g]).astype(np.int32)
-            self._group_order = mx.array(order)
-        parts = [self._decode_group(r, keys, values) for r in self._group_reads]
+            if self.by_rows:
+                self._group_reads = [self._lone_reads(i) for i in range(len(self.plan.slots))]
+            elif self._split is not None:
+                self._group_reads = [self._decode_reads(g) for g in self._split]
+                order = np.argsort([i for g in self._split for i in g]).astype(np.int32)
+                self._group_order = mx.array(order)
+            else:
+                return None
+        parts = [self._group(r, keys, values) for r in self._group_reads]
         return Groups(parts, self._group_order)
 
-    def _lone_row(self, i: int, keys: mx.array, values: mx.array) -> RowGroup:
-        """Row i's keys and values `[0, starts[i] + width)`, gathered alone (a lone chunk's
-        shape, whose graph the warm-up built); its queries are the last of them."""
-        pool, table, n = self.pool, self.plan.tables[i], self.plan.starts[i] + self._t
-        pages = self._tables[i : i + 1, : pool.pages_for(n)]
-        k, v = pool.gather([table], n, keys, pages), pool.gather([table], n, values, pages)
-        return RowGroup(slice(i, i + 1), k, v, "causal")
+    def _lone_reads(self, i: int) -> _GroupReads:
+        """Row i reads keys `[0, starts[i] + width)`, gathered alone (a lone chunk's shape,
+        whose graph the warm-up built); its queries are the last of them."""
+        n = self.plan.starts[i] + self._t
+        pages = self._tables[i : i + 1, : self.pool.pages_for(n)]
+        return _GroupReads(slice(i, i + 1), [self.plan.tables[i]], pages, n, False, "causal")
 
     def _decode_reads(self, rows: list[int]) -> _GroupReads:
         """What decode rows `rows` read: keys up to the longest of them, through their pages
@@ -271,7 +272,7 @@ class _RaggedView:
         pages = self._tables[index][:, : pool.pages_for(n)]
         return _GroupReads(index, tables, pages, n, run, mask)
 
-    def _decode_group(self, r: _GroupReads, keys: mx.array, values: mx.array) -> RowGroup:
+    def _group(self, r: _GroupReads, keys: mx.array, values: mx.array) -> RowGroup:
         k = self.pool.gather(r.tables, r.keys, keys, r.pages, r.run)
         v = self.pool.gather(r.tables, r.keys, values, r.pages, r.run)
         return RowGroup(r.rows, k, v, r.mask)

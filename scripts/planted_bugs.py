@@ -203,8 +203,8 @@ BUGS = (
     Bug(
         "lone chunks of several rows attend without the causal mask",
         "scheduler_proc/kv_cache.py",
-        'return RowGroup(slice(i, i + 1), k, v, "causal")',
-        "return RowGroup(slice(i, i + 1), k, v, None)",
+        'return _GroupReads(slice(i, i + 1), [self.plan.tables[i]], pages, n, False, "causal")',
+        "return _GroupReads(slice(i, i + 1), [self.plan.tables[i]], pages, n, False, None)",
     ),
     Bug(
         "decode rows in groups: a row sees one key past its end",
