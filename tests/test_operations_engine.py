@@ -25,6 +25,7 @@ from mlx_engine.inprocess import InProcessEngine
 
 STREAMS = 16
 LONG = 160  # NOTE: long enough that every stream is mid-decode when the operation comes
+TP_STREAM = 960  # NOTE: the tensor-parallel test's context is 1024; its prompts are at most 40
 UNENDING = 8000  # NOTE: near the tiny model's context: seconds of decode at any speed
 
 
@@ -270,10 +271,11 @@ def test_operations_on_every_tensor_parallel_rank(tiny_model_dir, other_weights,
         engine.wait_ready()
         prompts = _prompts(4)
         with EngineClient(engine.address, timeout=60) as sdk:
-            # NOTE: LONG, not 48 tokens: on a loaded box 48 were all out before the retract
-            plain = Streams(sdk, prompts, LONG)
+            # NOTE: near the context, not LONG: under a loaded CI run all four streams of
+            # 160 tokens were out before the retract reached both ranks ("retracted" said 0)
+            plain = Streams(sdk, prompts, TP_STREAM)
             plain.join()
-            streams = Streams(sdk, prompts, LONG)
+            streams = Streams(sdk, prompts, TP_STREAM)
             streams.wait_started()
             assert sdk.pause_generation("retract")["retracted"] > 0
             sdk.continue_generation()
