@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import sys
 import uuid
 from typing import Any
 
@@ -27,6 +28,7 @@ from engine.messages import to_tokenizer as tt
 from tokenizer_proc import (
     admin_api,
     anthropic_api,
+    backlog,
     choices,
     connections,
     limits,
@@ -56,6 +58,7 @@ from tokenizer_proc.server import TokenizerServer
 log = logging.getLogger("tokenizer.http")
 
 SHUTDOWN_TIMEOUT_S = 2.0
+BACKLOG = 1024  # NOTE: pending connections; the kernel may grant fewer (tokenizer_proc/backlog.py)
 
 
 class _MalformedHttp(logging.Filter):
@@ -129,8 +132,9 @@ class HttpApi:
         connections.quiet_accept_errors(loop)
         factory = self.guard.factory(self.runner.server)  # type: ignore[arg-type]
         self.server = await loop.create_server(
-            factory, host, port, reuse_address=True, backlog=1024
+            factory, host, port, reuse_address=True, backlog=BACKLOG
         )
+        backlog.warn_if_capped(BACKLOG, sys.platform)
         log.info("HTTP: at most %d connections, %d a peer", total, per_peer)
 
     async def close(self) -> None:
