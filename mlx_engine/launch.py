@@ -41,6 +41,7 @@ POLL_S = 0.1
 EXIT_SLACK_S = 10.0  # beyond --shutdown-grace, for the drained pipeline to flush and exit
 TEARDOWN_S = 5.0  # how long the launcher waits for killed children before it gives up
 FAIL_NOTICE_S = 2.0  # how long the tokenizer may take to tell clients the engine died
+CONNECT_PROBE_S = 0.5  # how long the busy-port check waits for a listener to answer
 TARGETS = {
     "scheduler": "scheduler_proc.main:run",
     "tokenizer": "tokenizer_proc.main:run",
@@ -56,11 +57,11 @@ def run_engine(config: EngineConfig) -> int:
     )
     soft, hard = open_files.raise_limit()  # NOTE: children inherit it
     log.info("open files: at most %d (hard limit %s)", soft, open_files.describe(hard))
-    busy = None if config.tp_rank > 0 else _port_in_use(config.host, config.zmq_port)
+    busy = None if config.tp_rank > 0 else _busy_endpoint(config)
     if busy:
         # NOTE: before anything starts: a busy port must not cost a model load (minutes for a
         # large model) to be found out.
-        log.error("cannot serve on tcp://%s:%d: %s", config.host, config.zmq_port, busy)
+        log.error("cannot serve on %s", busy)
         return 1
     with _private_dir() as run_dir, _control_token(config):
         return Launcher(config, run_dir).run()
@@ -84,11 +85,22 @@ def _control_token(config: EngineConfig) -> Iterator[None]:
         control_token.remove(config.zmq_port, token)
 
 
+def _busy_endpoint(config: EngineConfig) -> str | None:
+    """The first client endpoint (SDK, then HTTP) that cannot be bound, and why; else None."""
+    for scheme, port in (("tcp", config.zmq_port), ("http", config.port)):
+        busy = _port_in_use(config.host, port)
+        if busy:
+            return f"{scheme}://{config.host}:{port}: {busy}"
+    return None
+
+
 def _port_in_use(host: str, port: int) -> str | None:
     """Why the client endpoint cannot be bound (address in use, unknown host), else None.
 
     NOTE: a probe with SO_REUSEADDR, as libzmq binds: a port held only by TIME_WAIT connections
-    is free for it. The tokenizer still reports a port taken between this probe and its bind.
+    is free for it. On BSD sockets (macOS) that bind also succeeds beside another socket listening
+    on the wildcard address with the same port, so a connect finds that listener. The tokenizer
+    still reports a port taken between this probe and its bind.
     """
     try:
         infos = socket.getaddrinfo(
@@ -98,14 +110,42 @@ def _port_in_use(host: str, port: int) -> str | None:
             flags=socket.AI_PASSIVE,
         )
         family, kind, proto, _, addr = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind(addr)
-            probe.listen(1)
+        _bind_probe(family, kind, proto, addr)
     except OSError as e:
         reason = "address already in use" if e.errno == errno.EADDRINUSE else str(e)
         return f"{reason} ({type(e).__name__})"
+    if _answers(family, addr):
+        return f"address already in use (a listener answers on port {port})"
     return None
+
+
+def _bind_probe(
+    family: socket.AddressFamily, kind: socket.SocketKind, proto: int, addr: Any
+) -> None:
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(addr)
+        probe.listen(1)
+
+
+def _connect_target(family: socket.AddressFamily, addr: Any) -> Any:
+    """`addr`, the wildcard address as the loopback one (where not every system connects to it)."""
+    wildcard = {socket.AF_INET: "0.0.0.0", socket.AF_INET6: "::"}.get(family)
+    loopback = {socket.AF_INET: "127.0.0.1", socket.AF_INET6: "::1"}.get(family)
+    return (loopback, *addr[1:]) if addr[0] == wildcard else addr
+
+
+def _answers(family: socket.AddressFamily, addr: Any) -> bool:
+    """Does something listen at `addr`?"""
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(CONNECT_PROBE_S)
+        try:
+            probe.connect(_connect_target(family, addr))
+        except OSError:
+            return False  # NOTE: refused: nothing listens; no answer in time: taken as free
+        # NOTE: a connect to a free port of this host can meet itself (TCP simultaneous open
+        # when the kernel picks that port as the source): nothing else listens there.
+        return probe.getsockname()[:2] != probe.getpeername()[:2]
 
 
 def _stop_resource_tracker() -> None:
