@@ -452,7 +452,7 @@ class Scheduler:
         # its sampling once `prev` is finalized (`_sample_deferred`), the masks computed while
         # the device runs the forward.
         constrained = any(r.matcher is not None for r in batch.decode)
-        self.runner.launch(batch, out.tokens, defer_sample=constrained)
+        self.runner.launch(batch, out.tokens, defer_sample=constrained, after=prev)
         return batch
 
     def _sample_deferred(self, batch: Batch) -> None:

@@ -175,3 +175,80 @@ def test_a_prefill_beside_decoding_rows_reads_no_whole_rows(model):
     long, _ = _prefill_beside_a_decode_peak(model, context=4096)
     rows = 6 * (4096 - 256) * per_token  # NOTE: one layer's K of the 6 rows, long minus short
     assert long - short < rows / 4, (short, long, rows)
+
+
+class _MetalHolds:
+    """MLX's Metal backend keeps every input of a command buffer alive until the buffer has run;
+    this CPU backend does not. Emulated: each queued decode step holds its layers' KV buffers
+    (lazy views of them) until the host learns the step has run, by waiting on it (`mx.eval`)
+    or reading its tokens (`_host`)."""
+
+    def __init__(self, sched, monkeypatch) -> None:
+        import scheduler_proc.scheduler as scheduler_module
+
+        self.pool, self.held = sched.pool, []  # NOTE: (the step's tokens, its held views)
+        real_eval, real_async, real_host = mx.eval, mx.async_eval, scheduler_module._host
+        real_launch = sched.runner.launch
+        decoding: list[bool] = []
+
+        def launch(batch, *a, **k):
+            decoding.append(not batch.is_prefill)
+            try:
+                return real_launch(batch, *a, **k)
+            finally:
+                decoding.pop()
+
+        def async_eval(*arrays):
+            real_async(*arrays)
+            if decoding == [True]:
+                bufs = self.pool.keys + self.pool.values
+                self.held.append((arrays[0], [b.reshape(b.shape) for b in bufs]))
+
+        def wait(*arrays):
+            real_eval(*arrays)
+            self.held.clear()  # NOTE: one in-order stream: whatever was queued before has run
+
+        def host(out):
+            mine = [i for i, (tokens, _) in enumerate(self.held) if tokens is out.tokens]
+            if mine:
+                del self.held[: mine[0] + 1]
+            return real_host(out)
+
+        monkeypatch.setattr(sched.runner, "launch", launch)
+        monkeypatch.setattr(mx, "async_eval", async_eval)
+        monkeypatch.setattr(mx, "eval", wait)
+        monkeypatch.setattr(scheduler_module, "_host", host)
+
+
+def _chained_peak_under_metal_holds(model, rows: int, monkeypatch) -> tuple[int, int, int]:
+    sched = make_scheduler(
+        model,
+        max_running_requests=rows,
+        max_total_tokens=(rows + 1) * 2048,
+        context_length=2048,
+        disable_radix_cache=True,
+        fused_decode="off",
+    )
+    with monkeypatch.context() as patch:
+        _MetalHolds(sched, patch)
+        rng = random.Random(5)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        arrivals = {i: [(f"r{i}", random_prompt(rng, 30 + i), params)] for i in range(4)}
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        drive(sched, arrivals)
+    layer = max(b.nbytes for b in sched.pool.keys)
+    return mx.get_peak_memory() - base, layer, sched.stats()["steps_chained"]
+
+
+@pytest.mark.timeout(300)
+def test_chained_decode_writes_in_place_while_the_device_sets_the_pace(model, monkeypatch):
+    """Under Metal's rule (a queued step holds its inputs until it has run), a chained decode
+    step queued while the step before it still ran made each layer's write copy the whole
+    buffer; off CUDA the chained step is queued only once the step before has run, so peak
+    memory does not grow with the pool."""
+    small, _, _ = _chained_peak_under_metal_holds(model, 5, monkeypatch)
+    big, layer, chained = _chained_peak_under_metal_holds(model, 63, monkeypatch)
+    assert chained > 0
+    assert big - small < layer / 2, (small, big, layer)
