@@ -3,7 +3,7 @@
 Every CLI option of `mlx-engine launch` is generated from a field here (see `mlx_engine.cli`), and
 `validate()` is the one place that checks them. "auto" and 0 values stay in the config: the part
 that knows the device resolves them (KV budget: scheduler_proc/kv_budget.py; prefill sizes:
-`prefill_sizes` in scheduler_proc/scheduler.py; BLAS and dequantize: engine/cpu_backend.py,
+scheduler_proc/backend.py; BLAS and dequantize: engine/cpu_backend.py,
 engine/cpu_dequantize.py; warm-up: the scheduler).
 """
 

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.config import EngineConfig
 from scheduler_proc.request import Req
 from scheduler_proc.shapes import Ladders
 
@@ -55,11 +54,13 @@ class PrefillPlanner:
     beside_decode: int | None = None  # --long-prefill-scores (None: no cap)
     long_chunk: int | None = None  # --long-prefill-chunk (None: off)
     lone_rows: int = 1  # most lone chunks in one step (1: the model's attention is not ours)
+    scores_held: bool = True  # False: fused attention holds only the mask (`backend.py`)
 
     @property
     def scores_limit(self) -> int:
-        """Most rows x width x keys of one prefill step (`PREFILL_SCORES_MAX` over the heads)."""
-        return PREFILL_SCORES_MAX // self.heads
+        """Most rows x width x keys of one prefill step: `PREFILL_SCORES_MAX` over the heads, or
+        whole when the attention holds only its one-byte mask, shared by the heads."""
+        return PREFILL_SCORES_MAX // self.heads if self.scores_held else PREFILL_SCORES_MAX
 
     def plan(
         self, todo: list[Req], ladders: Ladders, decoding: bool = False, lone_first: bool = False
@@ -166,29 +167,6 @@ class PrefillPlanner:
             return n
         fits = [w for w in ladders.widths if w <= n]
         return fits[-1] if fits else n
-
-
-def long_prefill_scores(config: EngineConfig, on_cpu: bool) -> int | None:
-    """`--long-prefill-scores`, 0 meaning by backend: a GPU's decode steps are short (ms) beside
-    a long prompt's chunk; on the CPU a prompt's chunks already cost more than any decode step,
-    and splitting them further would only delay its first token."""
-    if config.long_prefill_scores:
-        return config.long_prefill_scores
-    return None if on_cpu else 1 << 21
-
-
-def prefill_sizes(config: EngineConfig, on_cpu: bool) -> tuple[int, int]:
-    """(tokens per request, padded tokens per prefill step); 0 in the config means by backend.
-
-    NOTE: on an H200 (Llama-3.2-1B shape, 128 requests of 32-1024 prompt tokens) the prefill
-    steps took 2.2 s at 512/2048 and 0.8 s at 2048/8192. On the CPU a step's cost grows with its
-    tokens (no idle compute to fill): 16 completions at once (default model, 2 cores) got their
-    first token at p50 1.61-1.64 s with 512-token steps vs 1.93 s with 2048 (one step for all),
-    throughput unchanged (128.7 / 119.6 vs 118.3 tok/s).
-    """
-    chunk = config.chunked_prefill_size or (512 if on_cpu else 2048)
-    budget = config.max_prefill_tokens or (512 if on_cpu else 8192)
-    return min(chunk, budget), budget
 
 
 def _uniform_chunks(

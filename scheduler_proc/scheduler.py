@@ -26,20 +26,14 @@ from engine.memory import weights_bytes
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
-from scheduler_proc import decode_attention
+from scheduler_proc import backend, decode_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.grammar import Grammars
 from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
 from scheduler_proc.kv_manager import KVManager
-from scheduler_proc.prefill_plan import (
-    PrefillPlanner,
-    body_left,
-    due,
-    long_prefill_scores,
-    prefill_sizes,
-)
+from scheduler_proc.prefill_plan import PrefillPlanner, body_left, due
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.running import RunningTable
@@ -82,9 +76,9 @@ class Scheduler:
         self.config = config
         layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        # NOTE: on the CPU a new shape costs nothing and padding costs work: exact shapes.
-        on_cpu = mx.default_device() == mx.cpu
-        self.chunk_size, self.prefill_budget = prefill_sizes(config, on_cpu)
+        full = [(s.k_dim, s.v_dim) for s in layout.kv if s.window is None]
+        self.defaults = backend.step_defaults(config, backend.current(), full)
+        self.chunk_size, self.prefill_budget = self.defaults.chunk, self.defaults.budget
         self.kv_plan = plan_kv(
             config,
             bytes_per_token([s for s in layout.kv if s.window is None]) or 1,
@@ -110,7 +104,8 @@ class Scheduler:
             capacity=plan.pages,
         )
         self.running = RunningTable(plan.slots)
-        self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk_size, exact=on_cpu)
+        exact = self.defaults.exact_shapes
+        self.ladders = Ladders.for_pool(plan.slots, plan.context, self.chunk_size, exact=exact)
         self.runner = Runner(
             model,
             self.pool,
@@ -130,9 +125,10 @@ class Scheduler:
             self.prefill_budget,
             heads,
             uniform=self.runner.uniform_prefill,
-            beside_decode=long_prefill_scores(config, on_cpu),
+            beside_decode=self.defaults.beside_decode,
             long_chunk=self.runner.long_chunk,
             lone_rows=self.runner.lone_rows,
+            scores_held=self.defaults.scores_held,
         )
         self.eos = frozenset(eos_token_ids)
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
@@ -360,9 +356,10 @@ class Scheduler:
     def _warm_up(self, deadline_s: float) -> float:
         """Run the step shapes once before serving; returns the seconds taken.
 
-        NOTE: on a GPU every bucketed shape (each compiles); on the CPU ("auto") one small
-        forward of each kind, which compiles the model's `mx.compile`d functions (the CPU
-        backend builds them with the C++ compiler on first use: ~2 s the first users paid).
+        NOTE: on CUDA every bucketed shape (each compiles); where shapes are exact (Metal, the
+        CPU) "auto" runs one small forward of each kind, which builds the model's `mx.compile`d
+        functions and kernels (the CPU backend builds them with the C++ compiler on first use:
+        ~2 s the first users paid).
         """
         mode = self.config.warmup
         if mode == "off":

@@ -1,9 +1,10 @@
 """The few array shapes a step may have: row counts, query widths and KV lengths in buckets.
 
-A new shape costs compilation on a GPU (MLX CUDA builds cuDNN attention graphs and CUDA graphs per
-shape, ~50-100 ms each, measured; Metal compiles kernels too), so every forward's shape is rounded up
-to a ladder, and the scheduler runs each rung once before READY (`Scheduler._warm_up`).
-On the CPU a shape costs nothing, padding costs work, so shapes are exact (`exact=True`).
+A new shape costs compilation on CUDA (MLX builds cuDNN attention graphs and CUDA graphs per shape,
+~50-100 ms each, measured), so there every forward's shape is rounded up to a ladder, and the
+scheduler runs each rung once before READY (`Scheduler._warm_up`). Metal specialises its kernels by
+dtype, head dim and alignment, not by sizes, and the CPU compiles nothing per shape: there padding
+only costs work, so shapes are exact (`exact=True`; `backend.py`).
 """
 
 from __future__ import annotations
