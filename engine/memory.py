@@ -1,22 +1,33 @@
 """How much KV memory this process may use: device capacity minus the weights, times a fraction.
 
 Per backend (code paths stay backend-neutral):
-- Metal: the recommended working set (beyond it macOS pages GPU memory, and an out-of-memory is not
-  catchable);
+- Metal: the smaller of the recommended working set (beyond it macOS pages GPU memory, and an
+  out-of-memory is not catchable) and the memory macOS reports available plus what MLX already
+  holds (the working set is a static figure, blind to what other apps use);
 - CUDA: the device's free memory plus what this process already holds (total memory without NVML);
 - CPU: available RAM (`MemAvailable` on Linux, physical memory elsewhere) plus what MLX already holds.
-Everything here is computed once at start-up, so KV buffers are allocated once and never grow.
+Everything here is computed once at start-up: the KV pool grows up to the budget and shrinks back
+when idle (scheduler_proc/kv_cache.py), never beyond it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import subprocess
 from dataclasses import dataclass
 from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+log = logging.getLogger(__name__)
+
+# NOTE: what macOS hands out without swapping: free pages, speculative ones (read ahead, dropped
+# first) and inactive ones (reclaimed before anything is paged out), as psutil's `available`.
+VM_STAT_AVAILABLE = ("Pages free", "Pages speculative", "Pages inactive")
 
 
 @dataclass(frozen=True)
@@ -39,9 +50,7 @@ class KVBudget:
 
 def device_memory() -> DeviceMemory:
     if mx.metal.is_available():
-        info = mx.device_info()
-        size = info.get("max_recommended_working_set_size") or info["memory_size"]
-        return DeviceMemory("metal", int(size), "Metal recommended working set")
+        return _metal_memory()
     if mx.cuda.is_available():
         info = mx.device_info()
         if "free_memory" in info:
@@ -49,6 +58,49 @@ def device_memory() -> DeviceMemory:
             return DeviceMemory("cuda", free, "CUDA free memory")
         return DeviceMemory("cuda", int(info["total_memory"]), "CUDA total memory")
     return DeviceMemory("cpu", _available_ram() + mx.get_active_memory(), "available RAM")
+
+
+def _metal_memory() -> DeviceMemory:
+    """The recommended working set, or less when less is available now; logs which bound it."""
+    info = mx.device_info()
+    working_set = int(info.get("max_recommended_working_set_size") or info["memory_size"])
+    free = darwin_available()
+    held = mx.get_active_memory() + mx.get_cache_memory()
+    if free is not None and free + held < working_set:
+        log.info(
+            "device memory: macOS available memory %s + MLX's %s, below the Metal recommended "
+            "working set %s",
+            *map(_gib, (free, held, working_set)),
+        )
+        return DeviceMemory("metal", free + held, "macOS available memory + MLX's")
+    seen = "unknown" if free is None else _gib(free + held)
+    log.info(
+        "device memory: the Metal recommended working set %s (available memory + MLX's: %s)",
+        _gib(working_set),
+        seen,
+    )
+    return DeviceMemory("metal", working_set, "Metal recommended working set")
+
+
+def darwin_available() -> int | None:
+    """Bytes macOS could hand out now without swapping (`vm_stat`); None when unknown.
+
+    NOTE: macOS has no /proc/meminfo and no SC_AVPHYS_PAGES; `vm_stat` reads the same counters
+    as host_statistics64, once at start-up."""
+    try:
+        run = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_vm_stat(run.stdout)
+
+
+def parse_vm_stat(text: str) -> int | None:
+    """Free + speculative + inactive bytes from `vm_stat`'s output; None when it has none."""
+    size = re.search(r"page size of (\d+) bytes", text)
+    counts = dict(re.findall(r"^(Pages [\w ]+):\s+(\d+)\.?\s*$", text, re.MULTILINE))
+    if size is None or "Pages free" not in counts:
+        return None
+    return int(size.group(1)) * sum(int(counts.get(k, 0)) for k in VM_STAT_AVAILABLE)
 
 
 def _available_ram() -> int:

@@ -21,6 +21,7 @@ from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
+from scheduler_proc.loop_rules import IdleClock
 from tokenizer_proc import limits, tool_calls
 from tokenizer_proc.admission import Admission
 from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
@@ -148,6 +149,7 @@ class InProcessEngine:
         self.probes: dict[str, tuple[HealthProbe, str]] = {}  # probe rid -> (probe, caller rid)
         self.admin = Admin(self.sched, self.config, model_dir, self._operation_done)
         self.operations: dict[str, ops.AdminOp] = {}  # caller rid -> its operation
+        self.idle = IdleClock()
 
     def _loop(self) -> None:
         while True:
@@ -160,6 +162,9 @@ class InProcessEngine:
                 self._handle(msg)
             if self.sched.has_work():
                 self._on_outputs(self.sched.step())
+                self.idle.busy()
+            else:
+                self.idle.idle(self.sched)  # NOTE: the pool shrinks, cached buffers go back
             self.admin.poll()
 
     def _take(self, wait: float | None) -> list[Any]:

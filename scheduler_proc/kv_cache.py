@@ -4,8 +4,9 @@ Storage, allocated once (docs/kv_cache.md):
 - a full-attention layer holds `(kv_heads, (pages + 1) * page_size, dim)` keys and values: token
   slot `page * page_size + offset`; a request's page table lists its pages in position order, so
   its token at position p sits in slot `table[p // page_size] * page_size + p % page_size`. The
-  pages grow by doubling, between steps, up to the planned capacity (`grow`), so memory in use
-  follows the tokens held rather than the budget;
+  pages grow by doubling, between steps, up to the planned capacity (`grow`), and shrink back
+  when the engine is idle (`shrink`), so memory in use follows the tokens held rather than the
+  budget;
 - a sliding-window layer holds a ring of `window + chunk - 1` entries per running request
   (`(slots + 1, kv_heads, ring, dim)`): bounded per request, never paged;
 - a recurrent layer holds a fixed-size state per running request (`(slots + 1, ...)`).
@@ -486,6 +487,7 @@ class KVPool:
         self.layout, self.shapes = layout, list(layout.kv)
         self.pages, self.page_size, self.slots, self.context = pages, page_size, slots, context
         self.capacity = max(pages, capacity or pages)
+        self.initial = pages  # NOTE: `shrink` goes no lower
         self.scratch_page, self.scratch_slot = 0, slots
         self.rings = [
             None if s.window is None else ring_size(s.window, chunk, context) for s in self.shapes
@@ -529,7 +531,27 @@ class KVPool:
                     bufs[i] = mx.concatenate([bufs[i], extra], axis=1)
                     mx.eval(bufs[i])  # NOTE: one layer at a time: the old buffer goes at once
         self.pages += add
+        # NOTE: the old buffers go back to the system now: Metal's cache would keep them (up
+        # to its limit), and a step rarely asks for their size again.
+        mx.clear_cache()
         return add
+
+    def shrink(self, pages: int) -> int:
+        """Hold only `pages` pages (at least those allocated at start); only while no step is in
+        flight and no page above `pages` is in use. Returns how many went."""
+        cut = self.pages - max(pages, self.initial)
+        if cut <= 0:
+            return 0
+        keep = (self.pages - cut + 1) * self.page_size
+        for i, ring in enumerate(self.rings):
+            if ring is None:
+                for bufs in (self.keys, self.values):
+                    # NOTE: a copy (a slice would keep the whole buffer alive), a layer at a time
+                    bufs[i] = mx.contiguous(bufs[i][:, :keep])
+                    mx.eval(bufs[i])
+        self.pages -= cut
+        mx.clear_cache()
+        return cut
 
     # -- forward views -----------------------------------------------------------------------
     def row_view(self, slot: int, table: list[int], start: int) -> list[EntryCache]:

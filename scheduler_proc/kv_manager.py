@@ -191,6 +191,17 @@ class KVManager:
         self.prefix.evict(n)
         return self.pages.available >= n
 
+    def shrink(self) -> int:
+        """The pool back to the smallest size its growth steps (doubling from its start) reach
+        that holds the highest page in use, by running requests or the prefix cache (nothing is
+        evicted); only while no step is in flight. Returns the pages released."""
+        pool = self.pool
+        size = growth_size(self.pages.highest_in_use(), pool.initial, pool.capacity)
+        if size >= pool.pages:
+            return 0
+        self.pages.shrink(size)
+        return pool.shrink(size)
+
     def could_free(self, n: int) -> bool:
         """Whether `n` pages are free or could be: the pool's room to grow and the pages only
         the cache holds count."""
@@ -215,6 +226,15 @@ class KVManager:
         if self.snapshots is not None:
             out |= {"prefix_cache_snapshots": len(self.snapshots)}
         return out
+
+
+def growth_size(pages: int, initial: int, capacity: int) -> int:
+    """The smallest of `initial` pages doubled k times (k >= 0, at most `capacity`) that holds
+    `pages` pages."""
+    size = max(1, initial)
+    while size < min(pages, capacity):
+        size *= 2
+    return min(size, capacity)
 
 
 def lone_start(hit: int, body: int, w: int) -> int:

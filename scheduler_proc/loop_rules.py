@@ -4,6 +4,7 @@ rank): their timings, the drain rule, and how a tokenized request goes in."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,26 @@ class Draining:
         if not sched.in_flight() and not sched.has_work() and not busy:
             return "drained"
         return ""
+
+
+class IdleClock:
+    """A scheduler idle for IDLE_CLEAR_S goes idle (`went_idle`: its pool shrinks, its cached
+    buffers go back), once, not at every gap between requests, whose next one would allocate
+    them again. `busy()` after every step, `idle(sched)` when there was nothing to run."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def busy(self) -> None:
+        self._since = None
+
+    def idle(self, sched: Any) -> None:
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        elif now - self._since > IDLE_CLEAR_S:
+            sched.went_idle()
+            self._since = math.inf  # NOTE: done; nothing more until the next work
 
 
 def submit(sched: Any, msg: TokenizedRequest, draining: bool, tell: Callable[[Any], None]) -> None:

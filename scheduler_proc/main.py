@@ -11,7 +11,6 @@ an enqueue of a few microseconds; Python threads would only add GIL hand-offs ne
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequest, ToScheduler
 from engine.messages.to_tokenizer import Heartbeat, SchedulerStats
 from scheduler_proc import loop_rules
-from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_CLEAR_S, IDLE_WAIT_S, Draining
+from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_WAIT_S, Draining, IdleClock
 from scheduler_proc.startup import load_model, scheduler_facts
 
 if TYPE_CHECKING:  # NOTE: imported at run time only after the BLAS set-up (see _create)
@@ -99,7 +98,7 @@ class SchedulerLoop:
         self.admin = Admin(scheduler, scheduler.config, model_dir, self.outbox.put)
         self.drain = Draining()
         self._last_tick = 0.0
-        self._idle_since: float | None = None
+        self.idle = IdleClock()
 
     def run(self) -> None:
         while True:
@@ -110,21 +109,11 @@ class SchedulerLoop:
             self._enforce_drain()
             if self.sched.has_work():
                 self._send(self.sched.step())
-                self._idle_since = None
+                self.idle.busy()
             else:
-                self._idle()
+                self.idle.idle(self.sched)
             self.admin.poll()  # NOTE: after the step's outputs: an answer follows them
         self._exit()
-
-    def _idle(self) -> None:
-        """Idle for IDLE_CLEAR_S: the scheduler gives back its cached buffers, once (not at every
-        gap between requests, whose next one would allocate them again)."""
-        now = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = now
-        elif now - self._idle_since > IDLE_CLEAR_S:
-            self.sched.went_idle()
-            self._idle_since = math.inf  # NOTE: cleared; nothing more until the next work
 
     def _should_exit(self) -> bool:
         if self.orphaned.is_set():

@@ -26,7 +26,7 @@ from engine.memory import weights_bytes
 from engine.messages.to_client import Chunk, FinishReason, TokenLogprob
 from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
-from scheduler_proc import backend, decode_attention
+from scheduler_proc import backend, decode_attention, memory_limits
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.grammar import Grammars
 from scheduler_proc.kv_budget import KVPlan, plan_kv
@@ -157,9 +157,13 @@ class Scheduler:
         self._lone_next = False  # the last prefill step ran chunks other than lone ones
         self.step_times = StepTimes()
         self._trim = heap.malloc_trim()
+        mx.reset_peak_memory()  # NOTE: the warm-up's peak sizes MLX's cache (memory_limits.py)
+        held = mx.get_active_memory()
         # NOTE: replicated ranks (kv_agree) warm up without a time limit: ranks stopping at
         # different shapes would run different collectives; their start-up watchdog bounds it.
         self.warm_up_s = self._warm_up(WARM_UP_DEADLINE_S if kv_agree is None else math.inf)
+        peak = mx.get_peak_memory() - held
+        self.limits = memory_limits.apply(plan, weights_bytes(model), peak)
 
     # -- public interface --------------------------------------------------------------------
     def submit(
@@ -266,9 +270,14 @@ class Scheduler:
         return bool(self._touched)
 
     def went_idle(self) -> None:
-        """Nothing left to run: MLX's cache of freed buffers goes back to the system (a load's
+        """Nothing left to run: the KV pool shrinks back to what its pages in use need
+        (`KVManager.shrink`), MLX's cache of freed buffers goes back to the system (a load's
         batches left the scheduler ~70 MiB larger on the CPU, held for good), and so does what
         the C heap keeps of freed memory."""
+        if self._current is None and self._next is None:
+            released = self.kv.shrink()
+            if released:
+                log.info("idle: KV pool shrank by %d pages to %d", released, self.pool.pages)
         mx.clear_cache()
         if self._trim is not None:
             self._trim()
@@ -344,6 +353,7 @@ class Scheduler:
             self.abort(rid)
         self._settle()
         mx.synchronize()
+        self.limits.restore()
 
     def last_outputs(self) -> list[Chunk]:
         """Shut down and report every request's end: the aborts the last step reports, then a

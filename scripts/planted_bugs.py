@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # fail within seconds of their 200; the clean run takes about 5 minutes on 2 CPU cores.
 DEFAULT_TESTS = (
     "tests/test_kv_pages.py",
+    "tests/test_memory_bounds.py",
     "tests/test_prefill_attention.py",
     "tests/test_paged_scheduler.py",
     "tests/test_model_families.py",
@@ -136,8 +137,8 @@ BUGS = (
     Bug(
         "a page freed while shared (decref frees at one reference left)",
         "scheduler_proc/pages.py",
-        "        if self._refs[page] == 0:\n            self._free.append(page)",
-        "        if self._refs[page] <= 1:\n            self._free.append(page)",
+        "        if self._refs[page] == 0:\n            heapq.heappush(self._free, page)",
+        "        if self._refs[page] <= 1:\n            heapq.heappush(self._free, page)",
     ),
     Bug(
         "a page freed while shared (a prefix hit's whole page not increfed)",
@@ -174,6 +175,24 @@ BUGS = (
         "scheduler_proc/prefix_cache.py",
         "                self.pages.decref(page, n, cached=True)\n",
         "                pass\n",
+    ),
+    Bug(
+        "the free list hands out its last page, not its lowest (the pool's tail stays in use)",
+        "scheduler_proc/pages.py",
+        "pages = [heapq.heappop(self._free) for _ in range(n)]",
+        "pages = [self._free.pop() for _ in range(n)]",
+    ),
+    Bug(
+        "an idle shrink sizes the pool by the pages in use, not the highest page in use",
+        "scheduler_proc/kv_manager.py",
+        "size = growth_size(self.pages.highest_in_use(), pool.initial, pool.capacity)",
+        "size = growth_size(self.pages.in_use, pool.initial, pool.capacity)",
+    ),
+    Bug(
+        "an idle shrink keeps a slice of the old buffers (nothing freed)",
+        "scheduler_proc/kv_cache.py",
+        "bufs[i] = mx.contiguous(bufs[i][:, :keep])",
+        "bufs[i] = bufs[i][:, :keep]",
     ),
     # -- admission and preemption ---------------------------------------------------------------
     Bug(

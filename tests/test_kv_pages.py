@@ -20,7 +20,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from scheduler_proc.kv_cache import length_groups, token_slots
-from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.kv_manager import KVManager, growth_size
 from scheduler_proc.pages import PageAllocator
 from scheduler_proc.radix_cache import Hit, Node, RadixCache
 from scheduler_proc.request import Req
@@ -36,6 +36,7 @@ class FakePool:
     def __init__(self, pages: int, page_size: int, capacity: int | None = None) -> None:
         self.pages, self.page_size = pages, page_size
         self.capacity = capacity or pages  # NOTE: it grows like the real pool, up to this
+        self.initial = pages  # NOTE: and shrinks no lower than this
         self.rings: list[None] = [None]  # one full-attention layer: no slot snapshots
         self.states: list[list[object]] = []
         self.data: dict[int, object] = {}
@@ -47,6 +48,15 @@ class FakePool:
         add = max(0, min(pages, self.capacity) - self.pages)
         self.pages += add
         return add
+
+    def shrink(self, pages: int) -> int:
+        """As the real pool: what lies above `pages` pages is gone (a page in use there would
+        read back nothing)."""
+        cut = max(0, self.pages - max(pages, self.initial))
+        self.pages -= cut
+        end = (self.pages + 1) * self.page_size
+        self.data = {s: v for s, v in self.data.items() if s < end}
+        return cut
 
     def copy_tokens(self, src: list[int], dst: list[int]) -> None:
         assert len(src) == len(dst)
@@ -231,7 +241,10 @@ class Walk:
             assert all(before.get(k) == s for k, s in now.items()), "refusal cached something"
             assert set(free) <= set(kv.pages._free), "refusal took a page"
             if evictable == 0:
-                assert sorted(kv.pages._free) == sorted(free) and kv.pages._refs == refs
+                # NOTE: the pool may have grown first (room() does), new pages all free
+                size = len(refs) - 1
+                assert sorted(p for p in kv.pages._free if p <= size) == sorted(free)
+                assert kv.pages._refs[: size + 1] == refs and not any(kv.pages._refs[size + 1 :])
             self.waiting.append(req)
             return
         self.admitted += 1
@@ -315,6 +328,16 @@ class Walk:
         assert kv.pages.available >= n or kv.prefix.tree.evictable_tokens == 0
         assert all(before.get(k) == s for k, s in paths(kv.prefix.tree).items())
 
+    def shrink(self) -> None:
+        """The idle pool shrinks: nothing cached is evicted, nothing in use is lost (`check`)."""
+        kv = self.kv
+        before = paths(kv.prefix.tree)
+        size = kv.pages.size
+        released = kv.shrink()
+        assert kv.pages.size == self.pool.pages == size - released
+        assert paths(kv.prefix.tree) == before, "a shrink evicted or moved cached tokens"
+        assert kv.pages.highest_in_use() <= kv.pages.size
+
     def step(self) -> None:
         op = self.rng.random()
         if op < 0.25 and len(self.running) < MAX_RUNNING:
@@ -327,8 +350,10 @@ class Walk:
             self.decode()
         elif op < 0.92:
             self.release()
-        else:
+        elif op < 0.96:
             self.evict()
+        else:
+            self.shrink()
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 4, 16])
@@ -377,12 +402,19 @@ def test_the_walk_reaches_the_interesting_cases() -> None:
                     seen["refused"] += 1
 
             walk.admit = counted  # type: ignore[method-assign]
+            shrink = walk.shrink
+
+            def shrunk(walk: Walk = walk, shrink=shrink) -> None:
+                size = walk.kv.pages.size
+                shrink()
+                seen["shrunk"] += walk.kv.pages.size < size
+
+            walk.shrink = shrunk  # type: ignore[method-assign]
             for _ in range(350):
                 walk.step()
             seen["preempted"] += sum(r.preemptions for r in walk.waiting + walk.running)
-    assert all(seen[k] > 0 for k in ("shared", "partial", "straddled", "refused", "preempted")), (
-        seen
-    )
+    wanted = ("shared", "partial", "straddled", "refused", "preempted", "shrunk")
+    assert all(seen[k] > 0 for k in wanted), seen
 
 
 # -- targeted cases -----------------------------------------------------------------------------
@@ -544,6 +576,60 @@ def test_a_refused_admission_keeps_the_cache() -> None:
     assert not kv.seat(b, reserve=0)
     check(kv, pool, [a])
     assert _state(kv) == before, "a refused admission evicted the cache for nothing"
+
+
+def test_free_pages_go_out_lowest_first() -> None:
+    """Whatever order pages come back in, the lowest free ones go out first: runs stay
+    ascending and the pool's tail stays free, so an idle pool can shrink."""
+    alloc = PageAllocator(8, 4)
+    a, b = alloc.alloc(4), alloc.alloc(4)
+    assert a == [1, 2, 3, 4] and b == [5, 6, 7, 8]
+    alloc.release(a)
+    alloc.release(b)  # NOTE: a stack would hand b's pages out next
+    assert alloc.alloc(3) == [1, 2, 3]
+    alloc.decref(2)
+    alloc.add(4)
+    assert alloc.alloc(3) == [2, 4, 5]
+    assert alloc.highest_in_use() == 5
+
+
+def test_a_shrink_keeps_every_page_in_use_and_the_cache() -> None:
+    """An idle pool shrinks to the growth step that holds its highest page in use, whether a
+    running request or the prefix cache holds it; no cached token is evicted for it."""
+    kv, pool = make_manager(2, 4, capacity=32)
+    _run_and_retire(kv, pool, A10)  # NOTE: pages 1-3, cached
+    burst = [make_req(f"b{i}", [9, i, *A10]) for i in range(4)]
+    for req in burst:
+        assert kv.seat(req, reserve=0)
+    assert pool.pages == 16
+    for req in burst[:3]:
+        req.finish_reason = "abort"
+        kv.release(req)
+    kv.flush()  # NOTE: only the cache's own pages go; burst[3] still runs on its pages
+    highest = max(burst[3].pages)
+    assert kv.shrink() == 0 and highest > 8, "the running request's pages hold the pool"
+    kv.release(burst[3])
+    kv.prefix.evict(kv.pages.size)
+    _run_and_retire(kv, pool, A10)
+    cached = check(kv, pool, [])
+    assert {s // 4 for s in cached.values()} == {1, 2, 3}, "not the lowest free pages"
+    assert kv.shrink() == 16 - 4 and pool.pages == kv.pages.size == 4
+    assert check(kv, pool, []) == cached, "the shrink lost a cached token"
+    with pytest.raises(RuntimeError, match="in use"):
+        kv.pages.shrink(2)
+
+
+def test_a_shrink_stops_at_a_growth_step() -> None:
+    assert [growth_size(n, 4, 50) for n in (0, 4, 5, 9, 16, 17, 33, 60)] == [
+        4,
+        4,
+        8,
+        16,
+        16,
+        32,
+        50,
+        50,
+    ]
 
 
 def test_decode_rows_are_grouped_by_length_only_where_it_saves_reads():
