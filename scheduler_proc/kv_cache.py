@@ -274,6 +274,8 @@ class _RaggedView:
         return _GroupReads(index, tables, pages, n, run, mask)
 
     def _group(self, r: _GroupReads, keys: mx.array, values: mx.array) -> RowGroup:
+        for buf in (keys, values):
+            self.pool.count_gather(len(r.tables), r.keys, buf, r.run)
         k = self.pool.gather(r.tables, r.keys, keys, r.pages, r.run)
         v = self.pool.gather(r.tables, r.keys, values, r.pages, r.run)
         return RowGroup(r.rows, k, v, r.mask)
@@ -297,6 +299,8 @@ class _RaggedView:
     def read(self, buf: mx.array, n: int) -> mx.array:
         if self.fused:
             return buf[None]  # NOTE: the kernel reads through the table (`fused_keys`)
+        if not self.grouped:  # NOTE: grouped, this gather is never run (`KVPool.update`)
+            self.pool.count_gather(len(self.plan.tables), self.length, buf, self._run)
         return self.pool.gather(self.plan.tables, self.length, buf, self._tables, self._run)
 
     def write_ring(self, buf: mx.array, new: mx.array, ring: int) -> mx.array:
@@ -489,6 +493,7 @@ class KVPool:
         self.capacity = max(pages, capacity or pages)
         self.initial = pages  # NOTE: `shrink` goes no lower
         self.scratch_page, self.scratch_slot = 0, slots
+        self.gathered_bytes = 0  # NOTE: K and V copied by attention's reads, since start
         self.rings = [
             None if s.window is None else ring_size(s.window, chunk, context) for s in self.shapes
         ]
@@ -588,6 +593,15 @@ class KVPool:
         pad = [self.scratch_page] * width
         rows = [t[:width] if len(t) >= width else (t + pad)[:width] for t in tables]
         return np.array(rows, dtype=np.int32).reshape(len(tables), width)
+
+    def count_gather(self, rows: int, keys: int, buf: mx.array, run: bool) -> None:
+        """Count what `gather` copies for `rows` rows of `keys` keys (whole pages; a run: none),
+        K or V of one layer: `gathered_bytes`, against the KV held."""
+        if not run:
+            h, _, d = buf.shape
+            self.gathered_bytes += (
+                rows * self.pages_for(keys) * self.page_size * h * d * buf.itemsize
+            )
 
     def gather(
         self,
