@@ -515,6 +515,13 @@ class KVPool:
         return mx.zeros((self.slots + 1, shape.kv_heads, ring, dim), shape.dtype)
 
     @property
+    def token_bytes(self) -> int:
+        """K and V of one token over the full-attention layers (what a paged token holds)."""
+        return sum(
+            s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size for s in self.shapes if s.window is None
+        )
+
+    @property
     def nbytes(self) -> int:
         kv = sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
         return kv + sum(a.nbytes for layer in self.states for a in layer)

@@ -37,12 +37,7 @@ def parse_args() -> argparse.Namespace:
 
 def timed_steps(sched, steps: int) -> tuple[float, float]:
     """(median seconds a step, gathered bytes a step over the KV held) over `steps` steps."""
-    per_token = sum(
-        s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size
-        for s in sched.pool.shapes
-        if s.window is None
-    )
-    held = sched.running.tokens_in_use() * per_token
+    held = sched.running.tokens_in_use() * sched.pool.token_bytes
     before = sched.pool.gathered_bytes
     times = []
     for _ in range(steps):

@@ -500,9 +500,8 @@ def test_decode_rows_of_very_different_lengths_attend_in_groups(llama):
     assert decode_attention.counts.grouped > before
 
 
-def _decode_peak(model, split: bool) -> tuple[int, int]:
-    """Peak memory over decode steps of 15 short rows beside one of 3,000 tokens, and what one
-    layer's K of a row of 3,000 tokens holds."""
+def _skewed(model, split: bool, seed: int):
+    """A scheduler decoding 15 rows of 20 prompt tokens beside one of 3,000."""
     sched = make_scheduler(
         model,
         chunked_prefill_size=1024,
@@ -511,12 +510,19 @@ def _decode_peak(model, split: bool) -> tuple[int, int]:
         max_total_tokens=16 * 4096,
     )
     sched.runner.split_decode = split
-    rng = random.Random(5)
+    rng = random.Random(seed)
     sched.submit("long", random_prompt(rng, 3000), greedy(40))
     for i in range(15):
         sched.submit(f"s{i}", random_prompt(rng, 20), greedy(40))
     while sched.running.n_decode < 16:
         sched.step()
+    return sched
+
+
+def _decode_peak(model, split: bool) -> tuple[int, int]:
+    """Peak memory over decode steps of 15 short rows beside one of 3,000 tokens, and what one
+    layer's K of a row of 3,000 tokens holds."""
+    sched = _skewed(model, split, seed=5)
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
@@ -539,26 +545,8 @@ def test_a_decode_beside_a_long_row_reads_no_short_row_to_its_length(llama):
 def _gathered_per_held(model, split: bool) -> float:
     """Bytes a decode step's attention gathers (K and V, every layer) over the KV its rows hold:
     15 rows of 20 tokens beside one of 3,000, four steps."""
-    sched = make_scheduler(
-        model,
-        chunked_prefill_size=1024,
-        max_prefill_tokens=4096,
-        context_length=4096,
-        max_total_tokens=16 * 4096,
-    )
-    sched.runner.split_decode = split
-    rng = random.Random(6)
-    sched.submit("long", random_prompt(rng, 3000), greedy(40))
-    for i in range(15):
-        sched.submit(f"s{i}", random_prompt(rng, 20), greedy(40))
-    while sched.running.n_decode < 16:
-        sched.step()
-    per_token = sum(
-        s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size
-        for s in sched.pool.shapes
-        if s.window is None
-    )
-    held = sched.running.tokens_in_use() * per_token
+    sched = _skewed(model, split, seed=6)
+    held = sched.running.tokens_in_use() * sched.pool.token_bytes
     before = sched.pool.gathered_bytes
     for _ in range(4):
         sched.step()
