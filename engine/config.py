@@ -63,16 +63,18 @@ class EngineConfig:
         "at most 256 (KV pages follow the tokens each request holds)",
     )
     chunked_prefill_size: int = _opt(
-        0, "Prompt tokens per request per prefill step; 0: 2048 on a GPU, 512 on the CPU"
+        0, "Prompt tokens per request per prefill step; 0: 2048 on CUDA and Metal, 512 on the CPU"
     )
     max_prefill_tokens: int = _opt(
-        0, "Most (padded) prompt tokens in one prefill step; 0: 8192 on a GPU, 512 on the CPU"
+        0,
+        "Most (padded) prompt tokens in one prefill step; "
+        "0: 8192 on CUDA, 2048 on Metal, 512 on the CPU",
     )
     long_prefill_scores: int = _opt(
         0,
         "While requests decode, most attention scores per head (rows x chunk x keys) of a prefill "
         "step reading more keys than --chunked-prefill-size (a long prompt's later chunks), so "
-        "decoding requests keep their pace; 0: 2097152 on a GPU, no cap on the CPU",
+        "decoding requests keep their pace; 0: 2097152 on CUDA, no cap on Metal and the CPU",
     )
     long_prefill_chunk: int = _opt(
         0,
@@ -93,7 +95,9 @@ class EngineConfig:
     cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
     cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
     warmup: str = _opt(
-        "auto", "Run every bucketed step shape once before READY: auto (on a GPU), on, off"
+        "auto",
+        "Run every bucketed step shape once before READY: auto (on CUDA; elsewhere one small "
+        "forward of each kind), on, off",
     )
     fused_decode: str = _opt(
         "auto",
