@@ -70,13 +70,13 @@ def _metal_memory() -> DeviceMemory:
         log.info(
             "device memory: macOS available memory %s + MLX's %s, below the Metal recommended "
             "working set %s",
-            *map(_gib, (free, held, working_set)),
+            *map(gib, (free, held, working_set)),
         )
         return DeviceMemory("metal", free + held, "macOS available memory + MLX's")
-    seen = "unknown" if free is None else _gib(free + held)
+    seen = "unknown" if free is None else gib(free + held)
     log.info(
         "device memory: the Metal recommended working set %s (available memory + MLX's: %s)",
-        _gib(working_set),
+        gib(working_set),
         seen,
     )
     return DeviceMemory("metal", working_set, "Metal recommended working set")
@@ -135,9 +135,9 @@ def kv_budget(
     # used, and were added back above; subtracting them once here counts them exactly once.
     free = max(0, dev.capacity - weights)
     tokens = int(free * mem_fraction) // bytes_per_token
-    source = f"{mem_fraction} x ({dev.source} {_gib(dev.capacity)} - weights {_gib(weights)})"
+    source = f"{mem_fraction} x ({dev.source} {gib(dev.capacity)} - weights {gib(weights)})"
     return KVBudget(tokens, bytes_per_token, source)
 
 
-def _gib(n: int) -> str:
+def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"

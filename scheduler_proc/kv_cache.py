@@ -30,7 +30,7 @@ import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
 from scheduler_proc.decode_attention import Groups, PagedKeys, RowGroup
-from scheduler_proc.kv_layout import LayerShape, Layout, ring_size
+from scheduler_proc.kv_layout import LayerShape, Layout, bytes_per_token, ring_size
 
 
 @dataclass(frozen=True)
@@ -517,9 +517,7 @@ class KVPool:
     @property
     def token_bytes(self) -> int:
         """K and V of one token over the full-attention layers (what a paged token holds)."""
-        return sum(
-            s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size for s in self.shapes if s.window is None
-        )
+        return bytes_per_token([s for s in self.shapes if s.window is None])
 
     @property
     def nbytes(self) -> int:

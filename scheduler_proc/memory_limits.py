@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from engine.memory import gib
 from scheduler_proc.kv_budget import KVPlan
 
 log = logging.getLogger("scheduler")
@@ -74,7 +75,7 @@ def apply(plan: KVPlan, weights: int, step_peak: int) -> AllocatorLimits:
         return limits
     mx.synchronize()  # NOTE: MLX: no limit changes while an evaluation is in flight
     limits.previous["cache"] = mx.set_cache_limit(limits.cache)
-    log.info("MLX cache limit %s (a step's peak %s)", _gib(limits.cache), _gib(step_peak))
+    log.info("MLX cache limit %s (a step's peak %s)", gib(limits.cache), gib(step_peak))
     _wire(limits, weights, kv, int(mx.device_info()["max_recommended_working_set_size"]))
     return limits
 
@@ -87,18 +88,18 @@ def _wire(limits: AllocatorLimits, weights: int, kv: int, working_set: int) -> N
         log.warning(
             "the model's weights (%s) are close to the Metal recommended working set (%s): "
             "generation may be slow",
-            _gib(weights),
-            _gib(working_set),
+            gib(weights),
+            gib(working_set),
         )
     try:
         limits.previous["wired"] = mx.set_wired_limit(wired)
     except (ValueError, RuntimeError) as e:  # NOTE: above the system's wired limit (sysctl)
-        log.warning("wired limit %s not set: %s", _gib(wired), e)
+        log.warning("wired limit %s not set: %s", gib(wired), e)
         return
     limits.wired = wired
     log.info(
         "wired limit %s (weights %s + KV up to %s, at most the working set %s)",
-        *map(_gib, (wired, weights, kv, working_set)),
+        *map(gib, (wired, weights, kv, working_set)),
     )
 
 
@@ -106,7 +107,3 @@ _SETTERS: dict[str, Callable[[int], int]] = {
     "cache": lambda n: mx.set_cache_limit(n),
     "wired": lambda n: mx.set_wired_limit(n),
 }
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"

@@ -76,14 +76,16 @@ class Scheduler:
         self.config = config
         layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        full = [(s.k_dim, s.v_dim) for s in layout.kv if s.window is None]
-        self.defaults = backend.step_defaults(config, backend.current(), full)
+        full = [s for s in layout.kv if s.window is None]
+        weights = weights_bytes(model)
+        dims = [(s.k_dim, s.v_dim) for s in full]
+        self.defaults = backend.step_defaults(config, backend.current(), dims)
         self.chunk_size, self.prefill_budget = self.defaults.chunk, self.defaults.budget
         self.kv_plan = plan_kv(
             config,
-            bytes_per_token([s for s in layout.kv if s.window is None]) or 1,
+            bytes_per_token(full) or 1,
             max_pos,
-            weights_bytes(model),
+            weights,
             slot_bytes=_slot_bytes(layout, self.chunk_size, config.context_length or max_pos)
             # NOTE: with the prefix cache, one snapshot per slot is budgeted beside it.
             * (1 if config.disable_radix_cache else 2),
@@ -163,7 +165,7 @@ class Scheduler:
         # different shapes would run different collectives; their start-up watchdog bounds it.
         self.warm_up_s = self._warm_up(WARM_UP_DEADLINE_S if kv_agree is None else math.inf)
         peak = mx.get_peak_memory() - held
-        self.limits = memory_limits.apply(plan, weights_bytes(model), peak)
+        self.limits = memory_limits.apply(plan, weights, peak)
 
     # -- public interface --------------------------------------------------------------------
     def submit(

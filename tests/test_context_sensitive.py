@@ -7,6 +7,7 @@ the size of the KV pool (one forward per step, KV written in place).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import mlx.core as mx
 import pytest
@@ -14,6 +15,7 @@ from mlx_lm.generate import generate_step
 from scheduler_util import drive, make_scheduler, random_prompt, reference_greedy, tiny_model
 
 from engine.sampling_params import SamplingParams
+from scheduler_proc.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -58,8 +60,16 @@ def test_decode_logprobs_equal_mlx_lm(model):
 
 
 def _prompt_peak_bytes(
-    model, rows: int, prompt_len: int, requests: int = 1, max_tokens: int = 1, fused: str = "off"
+    model,
+    rows: int,
+    prompt_len: int,
+    requests: int = 1,
+    max_tokens: int = 1,
+    fused: str = "off",
+    prepare: Callable[[Scheduler], None] | None = None,
 ) -> tuple[int, int]:
+    """Peak memory over the scheduler's run (beyond what was held before), and its pool's bytes;
+    `prepare`: called with the scheduler before it runs."""
     sched = make_scheduler(
         model,
         max_running_requests=rows,
@@ -71,6 +81,8 @@ def _prompt_peak_bytes(
     rng = random.Random(2)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     arrivals = {i: [(f"p{i}", random_prompt(rng, prompt_len + i), params)] for i in range(requests)}
+    if prepare is not None:
+        prepare(sched)
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
@@ -220,26 +232,17 @@ class _MetalHolds:
         monkeypatch.setattr(scheduler_module, "_host", host)
 
 
-def _chained_peak_under_metal_holds(model, rows: int, monkeypatch) -> tuple[int, int, int]:
-    sched = make_scheduler(
-        model,
-        max_running_requests=rows,
-        max_total_tokens=(rows + 1) * 2048,
-        context_length=2048,
-        disable_radix_cache=True,
-        fused_decode="off",
-    )
+def _chained_peak_under_metal_holds(model, rows: int, monkeypatch) -> tuple[int, Scheduler]:
+    """Peak memory of 4 requests decoding 12 tokens under `_MetalHolds`, and the scheduler."""
+    ran: list[Scheduler] = []
     with monkeypatch.context() as patch:
-        _MetalHolds(sched, patch)
-        rng = random.Random(5)
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        arrivals = {i: [(f"r{i}", random_prompt(rng, 30 + i), params)] for i in range(4)}
-        mx.synchronize()
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        drive(sched, arrivals)
-    layer = max(b.nbytes for b in sched.pool.keys)
-    return mx.get_peak_memory() - base, layer, sched.stats()["steps_chained"]
+
+        def prepare(sched: Scheduler) -> None:
+            _MetalHolds(sched, patch)
+            ran.append(sched)
+
+        peak, _ = _prompt_peak_bytes(model, rows, 30, requests=4, max_tokens=12, prepare=prepare)
+    return peak, ran[0]
 
 
 @pytest.mark.timeout(300)
@@ -248,7 +251,8 @@ def test_chained_decode_writes_in_place_while_the_device_sets_the_pace(model, mo
     step queued while the step before it still ran made each layer's write copy the whole
     buffer; off CUDA the chained step is queued only once the step before has run, so peak
     memory does not grow with the pool."""
-    small, _, _ = _chained_peak_under_metal_holds(model, 5, monkeypatch)
-    big, layer, chained = _chained_peak_under_metal_holds(model, 63, monkeypatch)
-    assert chained > 0
+    small, _ = _chained_peak_under_metal_holds(model, 5, monkeypatch)
+    big, sched = _chained_peak_under_metal_holds(model, 63, monkeypatch)
+    layer = max(b.nbytes for b in sched.pool.keys)
+    assert sched.stats()["steps_chained"] > 0
     assert big - small < layer / 2, (small, big, layer)
