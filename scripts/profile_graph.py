@@ -62,8 +62,12 @@ def engine(args, model, eos, rng: random.Random) -> None:
     params = SamplingParams(max_tokens=1_000_000, temperature=0.0, ignore_eos=True)
     for i in range(args.rows):
         sched.submit(f"r{i}", [rng.randrange(sched.vocab) for _ in range(args.prompt)], params)
-    for _ in range(40):  # NOTE: prefill, then decode until the steps chain
+    # NOTE: until every row decodes and the steps chain: a fixed count of warm-up steps left
+    # long prompts (128 rows x 4,000 tokens: 64 prefill steps) prefilling into the timed steps
+    warm = 0
+    while sched.running.prefilling() or sched.stats()["waiting"] or warm < 10:
         sched.step()
+        warm = 0 if sched.running.prefilling() else warm + 1
     real, launch = mx.async_eval, sched.runner.launch
     evals: list[float] = []
     launches: list[float] = []
@@ -76,8 +80,11 @@ def engine(args, model, eos, rng: random.Random) -> None:
         real(*arrays)
         evals.append(time.perf_counter() - t)
 
+    prefills: list[int] = []
+
     def timed_launch(batch, *a, **k):
         if batch.is_prefill:
+            prefills.append(1)
             return launch(batch, *a, **k)
         mx.async_eval = timed_eval
         t = time.perf_counter()
@@ -100,6 +107,12 @@ def engine(args, model, eos, rng: random.Random) -> None:
     print(
         f"engine, {args.rows} rows: step {step * 1e3:.2f} ms; launch {ms(launches)}, of it"
         f" async_eval {ms(evals)}; peak {peak:.0f} MB over a {sched.pool.nbytes / 1e9:.1f} GB pool"
+    )
+    stats = sched.stats()
+    print(
+        f"  {len(prefills)} prefill steps timed, {stats['decoding']} rows decoding, split calls"
+        f" {stats['decode_attention_split_calls']}, fused {stats['decode_attention_fused_calls']},"
+        f" masked {stats['decode_attention_masked_calls']}"
     )
     print(f"  {sum(graph[0].values())} nodes: {dict(graph[0].most_common(12))}")
     sched.shutdown()
