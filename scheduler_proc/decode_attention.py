@@ -5,9 +5,11 @@ A decode step's rows have different lengths, so attention needs a per-row mask, 
 CUDA decode kernel (`sdpa_vector`) takes no array mask: every masked decode step fell back to the
 unfused path (scores, mask, softmax, matmul per layer; H200, B=128: a 15.7 ms forward vs 9.4 ms
 unmasked). This kernel reads each row's own length instead: one block per (row, KV head) walks
-that row's keys in tiles of 128 with an online softmax, for all the query heads sharing the KV
-head, reading the pool's paged buffers in place (no gather, no copy): key t of row b lives at
-slot `table[b, t // P] * P + t % P` of the layer's `(KVH, S, D)` buffers.
+that row's keys with an online softmax, for all the query heads sharing the KV head, reading the
+pool's paged buffers in place (no gather, no copy): key t of row b lives at slot
+`table[b, t // P] * P + t % P` of the layer's `(KVH, S, D)` buffers. Two bodies: lanes over keys
+(`_LANES_BODY`, the common head shapes: H200, 128 rows x 4,000 keys, ~2.0 TB/s) and tiles of 128
+keys a thread each (`_BODY`, the rest: ~1.3 TB/s there).
 
 mlx-lm's models call `scaled_dot_product_attention` from `mlx_lm.models.base` through a name bound
 in their own module; `install` rebinds that name to `attention`, which runs the kernel when the
@@ -166,6 +168,201 @@ _BODY = """
 
 """
 
+# NOTE: the same attention, lanes over keys (`_lanes`): each key's D elements are read by L lanes
+# (E each, whole 16-byte loads), so a warp reads 32 / L keys at once, K and V in the same pass.
+# Every group of L lanes keeps its own running max, sum and output over the keys it walks (no
+# shared memory and no block-wide barrier per tile, where `_BODY` takes three), and the groups
+# and warps merge once at the end. Per-thread state is G * E query and output values in
+# registers, so only shapes where G * E <= 64 take it. Each group loads U keys before using any.
+# H200, 128 rows x 4,000 keys, 32/8 heads of 64: `_BODY` read K and V at ~1.2 TB/s.
+_LANES_BODY = """
+  constexpr int NT = 128;
+  constexpr int NW = NT / 32;
+  constexpr int VEC = 16 / sizeof(T);
+  constexpr int L = (D / VEC) < 32 ? (D / VEC) : 32;
+  constexpr int E = D / L;
+  constexpr int LOADS = E / VEC;
+  constexpr int KPW = 32 / L;
+  constexpr int U = 4;
+  constexpr int STRIDE = NW * KPW;
+  const float NEG_INF = __int_as_float(0xff800000);
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int t = threadIdx.x;
+  const int lane = t % 32;
+  const int warp = t / 32;
+  const int grp = lane / L;
+  const int sub = lane % L;
+  const int W = table_shape[1];
+  // NOTE: never past the row's table, whatever the length says.
+  const int len = min(lengths[b], W * P);
+  const int per = (len + gridDim.x * NT - 1) / (gridDim.x * NT) * NT;
+  const int k0 = split * per;
+  const int k1 = min(len, k0 + per);
+
+  const float sc = scale[0];
+  const size_t head0 = (size_t)b * KVH * G + (size_t)kvh * G;
+  float qr[G][E];
+  float acc[G][E];
+  float m[G];
+  float l[G];
+#pragma unroll
+  for (int g = 0; g < G; g++) {
+    m[g] = NEG_INF;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+      qr[g][e] = static_cast<float>(q[(head0 + g) * D + sub * E + e]) * sc;
+      acc[g][e] = 0.0f;
+    }
+  }
+
+  const int* pages = table + (size_t)b * W;
+  const T* kb = k + (size_t)kvh * S * D + sub * E;
+  const T* vb = v + (size_t)kvh * S * D + sub * E;
+  // NOTE: `it` is the same for every lane of a warp, so every lane reaches every shuffle.
+  for (int it = k0 + warp * KPW; it < k1; it += STRIDE * U) {
+    uint4 kx[U][LOADS];
+    uint4 vx[U][LOADS];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int key = it + grp + u * STRIDE;
+      if (key < k1) {
+        const size_t slot = (size_t)(pages[key / P] * P + key % P);
+        const uint4* kr = reinterpret_cast<const uint4*>(kb + slot * D);
+        const uint4* vr = reinterpret_cast<const uint4*>(vb + slot * D);
+#pragma unroll
+        for (int c = 0; c < LOADS; c++) {
+          kx[u][c] = kr[c];
+          vx[u][c] = vr[c];
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < LOADS; c++) {
+          kx[u][c] = make_uint4(0, 0, 0, 0);
+          vx[u][c] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const T* ke = reinterpret_cast<const T*>(kx[u]);
+      const T* ve = reinterpret_cast<const T*>(vx[u]);
+      float s[G];
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) d += qr[g][e] * static_cast<float>(ke[e]);
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffff, d, o);
+        s[g] = d;
+      }
+      if (it + grp + u * STRIDE < k1) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+          const float m_new = fmaxf(m[g], s[g]);
+          const float c = __expf(m[g] - m_new);
+          const float p = __expf(s[g] - m_new);
+          l[g] = l[g] * c + p;
+#pragma unroll
+          for (int e = 0; e < E; e++) {
+            acc[g][e] = acc[g][e] * c + p * static_cast<float>(ve[e]);
+          }
+          m[g] = m_new;
+        }
+      }
+    }
+  }
+
+  // NOTE: the warp's key groups merge (lanes L apart hold the same dims), then the warps do.
+#pragma unroll
+  for (int g = 0; g < G; g++) {
+    float top = m[g];
+#pragma unroll
+    for (int o = L; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+    const float f = m[g] == NEG_INF ? 0.0f : __expf(m[g] - top);
+    float sum = l[g] * f;
+#pragma unroll
+    for (int o = L; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+#pragma unroll
+    for (int e = 0; e < E; e++) {
+      float a = acc[g][e] * f;
+#pragma unroll
+      for (int o = L; o < 32; o <<= 1) a += __shfl_xor_sync(0xffffffff, a, o);
+      acc[g][e] = a;
+    }
+    m[g] = top;
+    l[g] = sum;
+  }
+  __shared__ float w_acc[NW][G][D];
+  __shared__ float w_m[NW][G];
+  __shared__ float w_l[NW][G];
+  if (grp == 0) {
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+      for (int e = 0; e < E; e++) w_acc[warp][g][sub * E + e] = acc[g][e];
+      if (sub == 0) {
+        w_m[warp][g] = m[g];
+        w_l[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  // NOTE: thread i of G * D holds head i / D's dim i % D: its max, sum and output over the block.
+  constexpr int OUT = (G * D + NT - 1) / NT;
+  float o_num[OUT];
+  float o_top[OUT];
+  float o_den[OUT];
+#pragma unroll
+  for (int j = 0; j < OUT; j++) {
+    const int i = t + j * NT;
+    o_num[j] = 0.0f;
+    o_den[j] = 0.0f;
+    o_top[j] = NEG_INF;
+    if (i < G * D) {
+      const int g = i / D;
+      float top = NEG_INF;
+      for (int w = 0; w < NW; w++) top = fmaxf(top, w_m[w][g]);
+      for (int w = 0; w < NW; w++) {
+        if (w_m[w][g] != NEG_INF) {
+          const float f = __expf(w_m[w][g] - top);
+          o_num[j] += f * w_acc[w][g][i % D];
+          o_den[j] += f * w_l[w][g];
+        }
+      }
+      o_top[j] = top;
+    }
+  }
+"""
+
+# NOTE: `_LANES_BODY`, one split: normalise and write the output.
+_LANES_FINAL = """
+  for (int j = 0; j < OUT; j++) {
+    const int i = t + j * NT;
+    if (i < G * D) {
+      out[head0 * D + i] = static_cast<T>(o_den[j] > 0.0f ? o_num[j] / o_den[j] : 0.0f);
+    }
+  }
+"""
+
+# NOTE: `_LANES_BODY`, several splits: the parts `_COMBINE` merges, as `_PARTIAL` writes them.
+_LANES_PARTIAL = """
+  const size_t part = ((size_t)b * KVH + kvh) * gridDim.x + split;
+  for (int j = 0; j < OUT; j++) {
+    const int i = t + j * NT;
+    if (i < G * D) {
+      o_part[part * G * D + i] = o_num[j];
+      if (i % D == 0) {
+        m_part[part * G + i / D] = o_top[j];
+        l_part[part * G + i / D] = o_den[j];
+      }
+    }
+  }
+"""
+
 # NOTE: one split: normalise and write the output.
 _FINAL = """
   for (int j = 0; j < OUT; j++) {
@@ -313,10 +510,12 @@ def decode_attention(
     keys: PagedKeys,
     scale: float,
     splits: int | None = None,
+    lanes: bool | None = None,
 ) -> mx.array:
     """softmax(q k^T * scale) v for q (B, H, 1, D) over row b's first `keys.lengths[b]` keys,
     read through `keys.table` from k, v (1, KVH, S, D); a row of length 0 (padding) gives zeros.
-    `splits` per row (default: `split_count`)."""
+    `splits` per row (default: `split_count`); `lanes`: the lanes-over-keys kernel (default:
+    wherever the shape fits it, `lanes_fit`)."""
     b, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     g = heads // kv_heads
@@ -324,6 +523,9 @@ def decode_attention(
     counts.split += n > 1
     if not available():
         return _masked(q, k, v, keys, scale)
+    if lanes is None:
+        lanes = lanes_fit(g, dim, q.dtype)
+    prefix = "lanes_" if lanes else ""
     template = [
         ("T", q.dtype),
         ("D", dim),
@@ -335,10 +537,10 @@ def decode_attention(
     inputs = [q, k, v, keys.table, keys.lengths, _scale(scale)]
     shape = dict(grid=(_TILE * n, kv_heads, b), threadgroup=(_TILE, 1, 1), template=template)
     if n == 1:
-        return _kernel("final")(
+        return _kernel(prefix + "final")(
             inputs=inputs, output_shapes=[q.shape], output_dtypes=[q.dtype], **shape
         )[0]
-    parts = _kernel("partial")(
+    parts = _kernel(prefix + "partial")(
         inputs=inputs,
         output_shapes=[(b, kv_heads, n, g, dim), (b, kv_heads, n, g), (b, kv_heads, n, g)],
         output_dtypes=[mx.float32] * 3,
@@ -353,6 +555,14 @@ def decode_attention(
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]
+
+
+def lanes_fit(g: int, dim: int, dtype: mx.Dtype) -> bool:
+    """Whether `_LANES_BODY` takes this shape: a key's 16-byte loads spread over lanes that
+    divide a warp, and each thread's G * E query and output values few enough for registers."""
+    loads = dim * dtype.size // 16  # NOTE: `fits` holds it whole
+    lanes = min(loads, 32)
+    return 32 % lanes == 0 and loads % lanes == 0 and g * (dim // lanes) <= 64
 
 
 def split_count(blocks: int, max_len: int, target: int = 256, min_len: int | None = None) -> int:
@@ -390,6 +600,8 @@ def _kernel(kind: str) -> Any:
     io = {
         "final": (body, ["out"], _BODY + _FINAL),
         "partial": (body, ["o_part", "m_part", "l_part"], _BODY + _PARTIAL),
+        "lanes_final": (body, ["out"], _LANES_BODY + _LANES_FINAL),
+        "lanes_partial": (body, ["o_part", "m_part", "l_part"], _LANES_BODY + _LANES_PARTIAL),
         "combine": (["o_part", "m_part", "l_part"], ["out"], _COMBINE),
     }
     inputs, outputs, source = io[kind]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -96,11 +97,26 @@ class Runner:
             many = "several" if self.lone_rows > 1 else "one"
             log.info("lone chunks: %d tokens, causal kernel, %s a step", self.long_chunk, many)
 
+    def _kernel_cases(self) -> list[dict[str, Any]]:
+        """The kernel's start-up checks: its own case, and each full-attention layer shape of
+        this model (which of the kernel's variants runs depends on the shape)."""
+        args = getattr(self.model, "args", None)
+        heads = getattr(args, "num_attention_heads", None)
+        kv = getattr(args, "num_key_value_heads", None) or heads
+        cases: list[dict[str, Any]] = [{}]
+        if not isinstance(heads, int) or not isinstance(kv, int) or heads % kv:
+            return cases
+        full = {(s.kv_heads, s.k_dim, s.dtype) for s in self.pool.shapes if s.window is None}
+        for kv_heads, dim, dtype in sorted(full, key=str):
+            case = dict(heads=heads // kv * kv_heads, kv_heads=kv_heads, dim=dim, dtype=dtype)
+            cases.append(dict(case, page_size=self.pool.page_size))
+        return cases
+
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run
         the kernel? A model whose attention bypasses mlx-lm's function keeps the masked path,
         and so does a kernel whose results differ from MLX's attention (`self_check`)."""
-        if not decode_attention.self_check():
+        if not all(decode_attention.self_check(**case) for case in self._kernel_cases()):
             log.warning("decode attention: masked (the fused kernel failed its self-check)")
             return False
         if not decode_attention.install(self.model):

@@ -105,30 +105,52 @@ def test_the_masked_twin_of_a_step_of_pad_rows_only():
     assert out.shape == case.q.shape and not mx.any(mx.isnan(out)).item()
 
 
+KERNELS = pytest.mark.parametrize("lanes", [False, True], ids=["tiles", "lanes"])
+
+
 @cuda_only
+@KERNELS
 @pytest.mark.parametrize(
-    "heads,kv_heads,dim", [(32, 8, 64), (16, 16, 128), (8, 1, 256), (9, 3, 64)]
+    "heads,kv_heads,dim", [(32, 8, 64), (16, 16, 128), (8, 1, 256), (9, 3, 64), (8, 2, 80)]
 )
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_the_kernel_attends_to_each_rows_own_keys(heads, kv_heads, dim, dtype):
+def test_the_kernel_attends_to_each_rows_own_keys(heads, kv_heads, dim, dtype, lanes):
     """Few rows: each row's keys split across blocks and merged (rows of 0 to 1100 keys, so
     some splits get no key)."""
-    _check_kernel(heads, kv_heads, dim, dtype, 32, splits=None)
+    _check_kernel(heads, kv_heads, dim, dtype, 32, splits=None, lanes=lanes)
 
 
 @cuda_only
+@KERNELS
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("splits", [1, 3], ids=["one-pass", "three"])
-def test_the_kernel_in_one_pass_or_an_odd_split(splits, page_size):
-    _check_kernel(32, 8, 64, mx.bfloat16, page_size, splits)
+def test_the_kernel_in_one_pass_or_an_odd_split(splits, page_size, lanes):
+    _check_kernel(32, 8, 64, mx.bfloat16, page_size, splits, lanes=lanes)
 
 
-def _check_kernel(heads, kv_heads, dim, dtype, page_size: int, splits: int | None) -> None:
+def test_the_lanes_kernel_takes_the_common_head_shapes():
+    """Lanes over keys where a key's loads divide a warp and G * E values fit in registers;
+    the tiled kernel for the rest (head dims 80 and 96, many query heads per KV head)."""
+    fit = decode_attention.lanes_fit
+    assert fit(4, 64, mx.bfloat16) and fit(8, 128, mx.bfloat16) and fit(8, 256, mx.float32)
+    assert fit(1, 128, mx.float32) and fit(4, 64, mx.float16)
+    assert not fit(4, 80, mx.bfloat16) and not fit(4, 96, mx.bfloat16)
+    assert not fit(16, 128, mx.bfloat16)
+
+
+def _check_kernel(
+    heads, kv_heads, dim, dtype, page_size: int, splits: int | None, lanes: bool = False
+) -> None:
+    g = heads // kv_heads
+    if lanes and not decode_attention.lanes_fit(g, dim, dtype):
+        pytest.skip("the lanes kernel does not take this shape")
     case = Case(heads, kv_heads, dim, LENGTHS, page_size, dtype)
     if splits is None:
         assert decode_attention.split_count(len(LENGTHS) * kv_heads, max(LENGTHS)) > 1
     scale = dim**-0.5
-    out = decode_attention.decode_attention(case.q, case.k, case.v, case.keys, scale, splits)
+    out = decode_attention.decode_attention(
+        case.q, case.k, case.v, case.keys, scale, splits, lanes=lanes
+    )
     q, k, v = (x.astype(mx.float32) for x in (case.q, case.k, case.v))
     want = decode_attention._masked(q, k, v, case.keys, scale)
     # NOTE: MLX's float32 attention on CUDA multiplies in TF32: the reference is the coarse one.
@@ -273,3 +295,30 @@ def test_a_model_whose_attention_is_not_mlx_lms_keeps_the_mask(tiny_weights_dir,
     monkeypatch.undo()
     assert make_scheduler(model, fused_decode="on").runner.fused_decode is True
     assert make_scheduler(model, fused_decode="off").runner.fused_decode is False
+
+
+def test_the_start_up_check_runs_the_models_own_head_shape(tiny_weights_dir, monkeypatch):
+    """Which kernel runs depends on the head shape (`lanes_fit`), so the start-up check runs
+    the model's (query heads, KV heads, head dim, dtype, page size), not only its own case; a
+    kernel wrong for that shape alone keeps the masked path."""
+    from scheduler_util import make_scheduler, tiny_model
+
+    model = tiny_model(tiny_weights_dir)
+    args = model.args
+    dim = args.hidden_size // args.num_attention_heads
+    seen: list[dict] = []
+
+    def check(**case):
+        seen.append(case)
+        return case.get("dim") != dim  # NOTE: wrong for the model's shape only
+
+    monkeypatch.setattr(decode_attention, "self_check", check)
+    sched = make_scheduler(model, fused_decode="on")
+    assert sched.runner.fused_decode is False
+    heads, kv = args.num_attention_heads, args.num_key_value_heads
+    assert {
+        "heads": heads,
+        "kv_heads": kv,
+        "dim": dim,
+        "page_size": sched.pool.page_size,
+    }.items() <= seen[-1].items()
