@@ -104,6 +104,12 @@ class EngineConfig:
         "Decode attention over rows of any length in one fused kernel: auto (on CUDA, whose own "
         "kernel takes no mask), on, off (MLX's attention with a per-row mask)",
     )
+    prefill_in_chain: str = _opt(
+        "auto",
+        "Prompt chunks ride chained decode steps (a prefill step queued beside each, so the "
+        "overlap loop keeps chaining while prompts prefill): auto (on CUDA, where the host sets "
+        "a decode step's pace), on, off (decode and prefill steps take turns, unchained)",
+    )
     prefill_attention: str = _opt(
         "auto",
         "Prompt-chunk attention: auto (ops on CUDA, whose masked fast kernel builds per shape), "
@@ -220,7 +226,7 @@ class EngineConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level}"
             )
-        for name in ("warmup", "fused_decode"):
+        for name in ("warmup", "fused_decode", "prefill_in_chain"):
             if getattr(self, name) not in ON_OFF_AUTO:
                 raise ValueError(f"{name} must be auto, on or off, got {getattr(self, name)}")
         if self.prefill_attention not in ("auto", "ops", "fast"):

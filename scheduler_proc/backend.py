@@ -50,6 +50,7 @@ class StepDefaults:
     budget: int  # padded tokens per prefill step
     beside_decode: int | None  # rows x width x keys of a prefill step beside decoding rows
     scores_held: bool  # a prefill chunk's attention materialises its scores (per head)
+    prefill_in_chain: bool  # prompt chunks ride chained decode steps (`Scheduler._can_chain`)
 
 
 def current() -> str:
@@ -76,4 +77,10 @@ def step_defaults(
         budget=budget,
         beside_decode=config.long_prefill_scores or beside,
         scores_held=not fused,
+        # NOTE: where the host sets a decode step's pace (CUDA), a prefill step queued beside
+        # each chained one fills the device's idle time; where the device sets it (Metal, the
+        # CPU) the chain gains nothing, and a prefill step hands the KV buffers to async_eval,
+        # which MLX's CPU backend then holds while the next step would write them.
+        prefill_in_chain=config.prefill_in_chain == "on"
+        or (config.prefill_in_chain == "auto" and backend == "cuda"),
     )

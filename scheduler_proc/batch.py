@@ -45,13 +45,16 @@ class Batch:
     allowed: np.ndarray | None = None  # constrained rows' packed token masks (grammar.py)
     logits: mx.array | None = None  # a chained forward whose sampling waits for its masks
     prompt_lps: list[mx.array] = field(default_factory=list)  # prompt logprobs it computes
+    # NOTE: a prefill step queued right after this chained decode step, riding its chain
+    beside: Batch | None = None
 
     @property
     def rows(self) -> list[Req]:
         return self.decode + self.joined
 
     def reqs(self) -> list[Req]:
-        return self.rows + [c.req for c in self.slices]
+        side = self.beside.reqs() if self.beside is not None else []
+        return self.rows + [c.req for c in self.slices] + side
 
     @property
     def is_prefill(self) -> bool:

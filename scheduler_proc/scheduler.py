@@ -417,7 +417,9 @@ class Scheduler:
             self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
-        if not cur.pure_decode or self.running.prefilling() or self._seatable():
+        if not cur.pure_decode or self._seatable():
+            return False
+        if self.running.prefilling() and not self._prefill_chains():
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
         if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.decode):
@@ -425,6 +427,14 @@ class Scheduler:
         # NOTE: the chained step writes each row's next position: a free page where that starts
         # one (no eviction or preemption while a step is in flight).
         return all(self.kv.grow(r, evict=False) for r in cur.decode)
+
+    def _prefill_chains(self) -> bool:
+        """Whether prompts still prefilling let the chain go on, a prefill step beside each
+        chained decode step (`prefill_in_chain`): not once one is due (its last token joins a
+        fresh step) or its slot waits for a snapshot (taken while nothing is in flight)."""
+        if not self.defaults.prefill_in_chain or self._to_snapshot:
+            return False
+        return not any(due(r) for r in self.running.prefilling())
 
     def _must_break(self, nxt: Batch) -> bool:
         return any(r.finished for r in nxt.decode) or self._seatable()
@@ -462,6 +472,13 @@ class Scheduler:
         # the device runs the forward.
         constrained = any(r.matcher is not None for r in batch.decode)
         self.runner.launch(batch, out.tokens, defer_sample=constrained, after=prev)
+        slices = self._plan_slices() if self.running.prefilling() else []
+        if slices:
+            # NOTE: queued after the decode, so its tokens reach the host while this runs
+            side = batch.beside = Batch(slices=slices, chained=True)
+            self.prepare_launch(side)
+            self.runner.launch(side, None)
+            self.step_times.launched(side)
         return batch
 
     def _sample_deferred(self, batch: Batch) -> None:
@@ -535,7 +552,7 @@ class Scheduler:
         next forward by the buffers themselves).
         """
         assert batch.launch_ts is not None and batch.step_index > 0, "batch was never launched"
-        self._counters["batches_finalized"] += 1
+        self._counters["batches_finalized"] += 1 + (batch.beside is not None)
         if batch.decode_out is None:
             return
         tokens, logprobs = _host(batch.decode_out)

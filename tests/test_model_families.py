@@ -53,11 +53,13 @@ def _workload(seed: int, lens: list[int] = PROMPT_LENS):
     return reqs
 
 
-def _run(model, reqs, buckets: bool = False, **overrides):
+def _run(model, reqs, buckets: bool = False, launches: list | None = None, **overrides):
     base = dict(chunked_prefill_size=8, max_prefill_tokens=32)
     sched = make_scheduler(model, **{**base, **overrides})
     if buckets:
         bucketed(sched)
+    if launches is not None:
+        sched.on_launch = launches.append
     forwards = count_forwards(sched)
     arrivals: dict = {}
     for rid, prompt, max_tokens, at in reqs:
@@ -65,8 +67,8 @@ def _run(model, reqs, buckets: bool = False, **overrides):
     return sched, drive(sched, arrivals), forwards
 
 
-def _check(model, reqs, **overrides):
-    sched, outs, forwards = _run(model, reqs, **overrides)
+def _check(model, reqs, launches: list | None = None, **overrides):
+    sched, outs, forwards = _run(model, reqs, launches=launches, **overrides)
     for rid, prompt, max_tokens, _ in reqs:
         assert tokens(outs[rid]) == reference_greedy(model, prompt, max_tokens), rid
         assert outs[rid][-1].finish_reason == "length"
@@ -121,6 +123,22 @@ def test_greedy_parity_prefix_cache_on_and_off(family):
             assert hits >= 2 * len(system), hits
         else:
             assert hits >= 3 * len(system), hits
+
+
+def test_greedy_parity_with_prompts_beside_the_chain(family):
+    """`--prefill-in-chain on`: prompts prefill in steps queued beside chained decode steps,
+    sliding windows and recurrent state included; shared prefixes still hit, their snapshots
+    taken while nothing is in flight (the chain breaks at a snapshot point)."""
+    name, model = family
+    rng = random.Random(4)
+    system = random_prompt(rng, 3 * TINY_WINDOW)
+    reqs = [(f"s{i}", system + random_prompt(rng, 5 + 7 * i), 20, 25 * i) for i in range(4)]
+    reqs += [(f"r{i}", random_prompt(rng, 40 + 9 * i), 24, 2 * i) for i in range(4)]
+    launches: list = []
+    sched = _check(model, reqs, launches=launches, prefill_in_chain="on")
+    assert any(b.is_prefill and b.chained for b in launches)
+    if name in WINDOWED or name in HYBRID:
+        assert sched.stats()["prefix_cache_hit_tokens"] >= 2 * len(system)
 
 
 def test_the_family_models_see_their_context(family):

@@ -560,3 +560,47 @@ def test_a_skewed_decode_step_gathers_at_most_twice_the_kv_it_holds(llama):
     the longest row, 32 rows beside one of 100k tokens of an 8B model copied ~12 GiB a layer)."""
     assert _gathered_per_held(llama, split=True) <= 2.0
     assert _gathered_per_held(llama, split=False) > 10  # NOTE: the counter sees the padding
+
+
+@pytest.mark.parametrize("lone", [None, 16], ids=["chunks", "lone-chunks"])
+def test_prompts_prefill_beside_chained_decode_steps(llama, lone):
+    """`--prefill-in-chain on` (CUDA's default): while prompts prefill, the decode rows keep
+    chaining and each chained step has a prefill step queued beside it. Every token is mlx-lm's
+    (a chunk written beside a decode reads and writes only its own row), the chain goes on
+    through the prompts' chunks, and a prompt whose last chunk ran beside the chain joins the
+    decode rows in the next fresh step (the chain breaks for it)."""
+    rng = random.Random(21)
+    short = [(f"s{i}", random_prompt(rng, 10 + i), 48, 0) for i in range(3)]
+    long = [(f"l{i}", random_prompt(rng, 150 + 41 * i), 6, 4) for i in range(3)]
+    sched = make_scheduler(
+        llama,
+        chunked_prefill_size=16,
+        max_prefill_tokens=32,
+        long_prefill_chunk=lone or 0,
+        prefill_in_chain="on",
+    )
+    launches: list = []
+    sched.on_launch = launches.append
+    _parity(sched, llama, short + long)
+    beside = [b for b in launches if b.is_prefill and b.chained]
+    assert len(beside) >= 8, len(beside)
+    for rid, *_ in long:
+        last = max(i for i, b in enumerate(launches) for c in b.slices if c.req.rid == rid)
+        joined = next(i for i, b in enumerate(launches) if any(r.rid == rid for r in b.joined))
+        # NOTE: its last chunk, the chained decode step queued before it finalized, the join
+        assert joined - last <= 3, (rid, last, joined)
+    stats = sched.stats()
+    assert stats["batches_finalized"] == stats["steps_launched"]
+
+
+def test_off_the_chain_prefill_and_decode_steps_take_turns(llama):
+    """`--prefill-in-chain off` (Metal's and the CPU's default): no prefill step is chained."""
+    rng = random.Random(21)
+    short = [(f"s{i}", random_prompt(rng, 10 + i), 24, 0) for i in range(2)]
+    long = [(f"l{i}", random_prompt(rng, 120), 4, 4) for i in range(2)]
+    sched = make_scheduler(llama, chunked_prefill_size=16, prefill_in_chain="off")
+    launches: list = []
+    sched.on_launch = launches.append
+    _parity(sched, llama, short + long)
+    assert not [b for b in launches if b.is_prefill and b.chained]
+    assert sched.defaults.prefill_in_chain is False
