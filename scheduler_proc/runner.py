@@ -189,6 +189,21 @@ class Runner:
         """Forward rows of a decode step: its requests, bucketed."""
         return self.ladders.pad_rows(len(batch.rows))
 
+    def chained_inputs(self, prev: Batch, batch: Batch) -> mx.array:
+        """A chained step whose rows are `prev`'s then prompts joining (`batch.joined`): each
+        row's input (`prev`'s lazy tokens, the prompts' last fill tokens), and `batch.sampler`
+        built for these rows, `prev`'s one token further (its tokens are in flight). Only for
+        rows without penalties: their counts would need `prev`'s tokens on the host."""
+        assert prev.decode_out is not None, "a launched decode step"
+        n = self.decode_rows(batch)
+        rows = [replace(row_params(r), generated=len(r.output_ids) + 1) for r in prev.rows]
+        rows += [row_params(r) for r in batch.joined]
+        batch.sampler = build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab)
+        assert not batch.sampler.any_penalty, "penalties need the host's counts"
+        host = [r.fill_ids[-1] for r in batch.joined] + [0] * (n - len(rows))
+        ahead = prev.decode_out.tokens[: len(prev.rows)]
+        return mx.concatenate([ahead, mx.array(host, dtype=mx.int32)])
+
     def decode_inputs(self, batch: Batch) -> mx.array:
         """Each row's input token: its last output, or a joined request's last fill token."""
         tokens = [r.output_ids[-1] for r in batch.decode] + [r.fill_ids[-1] for r in batch.joined]

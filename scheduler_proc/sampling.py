@@ -61,7 +61,7 @@ def build_state(
     """`allowed`: packed token masks of the rows (None: no row constrained)."""
     ps = [r.params for r in rows]
     f32 = _column_f32
-    any_penalty = any(_has_penalty(p) for p in ps)
+    any_penalty = any(has_penalty(p) for p in ps)
     return SamplerState(
         greedy=mx.array([p.greedy for p in ps]),
         temperature=f32([max(p.temperature, _EPS) for p in ps]),
@@ -228,7 +228,7 @@ def _counts(token_lists: list[list[int]], vocab: int) -> mx.array:
     return out.at[mx.array(rows), mx.array(cols)].add(1.0)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 

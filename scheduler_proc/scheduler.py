@@ -37,7 +37,7 @@ from scheduler_proc.prefill_plan import PrefillPlanner, body_left, due
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
 from scheduler_proc.running import RunningTable
-from scheduler_proc.sampling import Sampled, advance
+from scheduler_proc.sampling import Sampled, advance, has_penalty
 from scheduler_proc.seating import Seating
 from scheduler_proc.shapes import Ladders
 from scheduler_proc.step_times import StepTimes
@@ -417,27 +417,47 @@ class Scheduler:
             self._launch_fresh(batch)
 
     def _can_chain(self, cur: Batch) -> bool:
-        if not cur.pure_decode or self._seatable():
+        if not self._chains_from(cur) or self._seatable():
             return False
-        if self.running.prefilling() and not self._prefill_chains():
+        if self.running.prefilling() and not self._prefill_chains(cur):
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
-        if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.decode):
+        if any(r.finished or len(r.output_ids) + 1 >= r.max_new for r in cur.rows):
             return False
         # NOTE: the chained step writes each row's next position: a free page where that starts
         # one (no eviction or preemption while a step is in flight).
-        return all(self.kv.grow(r, evict=False) for r in cur.decode)
+        return all(self.kv.grow(r, evict=False) for r in cur.rows)
 
-    def _prefill_chains(self) -> bool:
+    def _chains_from(self, cur: Batch) -> bool:
+        """A decode step's rows go on in a chained step: a pure decode step's, and with prompts
+        in the chain (`prefill_in_chain`) a step's that joined prompts too (they decode in the
+        chained step, in the same rows: its sampler state is `cur`'s advanced)."""
+        if cur.slices or not cur.rows:
+            return False
+        return cur.pure_decode or self.defaults.prefill_in_chain
+
+    def _prefill_chains(self, cur: Batch) -> bool:
         """Whether prompts still prefilling let the chain go on, a prefill step beside each
         chained decode step (`prefill_in_chain`): not once one is due (its last token joins a
         fresh step) or its slot waits for a snapshot (taken while nothing is in flight)."""
         if not self.defaults.prefill_in_chain or self._to_snapshot:
             return False
-        return not any(due(r) for r in self.running.prefilling())
+        return all(self._joins_chain(cur, r) for r in self._due_beside(cur))
+
+    def _due_beside(self, cur: Batch) -> list[Req]:
+        """Prompts due to join that are not rows of `cur` (prompts that joined in the chain are
+        promoted at the next settle; until then they are prefilling rows that decode)."""
+        rows = set(map(id, cur.rows))
+        return [r for r in self.running.prefilling() if due(r) and id(r) not in rows]
+
+    def _joins_chain(self, cur: Batch, req: Req) -> bool:
+        """A due prompt joins the chained step (`Runner.chained_inputs`) when no row's sampling
+        counts tokens (penalties: the counts of `cur`'s rows are still on the device)."""
+        penalties = cur.sampler is not None and cur.sampler.any_penalty
+        return not penalties and not has_penalty(req.params)
 
     def _must_break(self, nxt: Batch) -> bool:
-        return any(r.finished for r in nxt.decode) or self._seatable()
+        return any(r.finished for r in nxt.rows) or self._seatable()
 
     def _seatable(self) -> bool:
         return self.seating and self.seats.seatable()
@@ -460,25 +480,35 @@ class Scheduler:
         inputs = self.runner.decode_inputs(batch) if batch.rows else None
         self.runner.launch(batch, inputs)
         self.step_times.launched(batch)
+        if batch.beside is not None:
+            self._launch_beside(batch.beside)
+
+    def _launch_beside(self, side: Batch) -> None:
+        """A prefill step queued right after a decode step, riding its chain (`Batch.beside`):
+        after it, so the decode's tokens reach the host while the prefill runs."""
+        self.prepare_launch(side)
+        self.runner.launch(side, None)
+        self.step_times.launched(side)
 
     def _launch_chained(self, prev: Batch) -> Batch:
         out, sampler = prev.decode_out, prev.sampler
         assert out is not None and sampler is not None, "only a launched decode step chains"
-        batch = Batch(decode=prev.decode, sampler=advance(sampler, out.tokens))
-        batch.chained = True
+        joining = self._due_beside(prev) if self.defaults.prefill_in_chain else []
+        batch = Batch(decode=prev.rows, joined=joining, chained=True)
+        if joining:
+            inputs = self.runner.chained_inputs(prev, batch)
+        else:
+            batch.sampler, inputs = advance(sampler, out.tokens), out.tokens
         self.prepare_launch(batch)
         # NOTE: a constrained row's mask needs `prev`'s token on the host: the forward goes now,
         # its sampling once `prev` is finalized (`_sample_deferred`), the masks computed while
         # the device runs the forward.
-        constrained = any(r.matcher is not None for r in batch.decode)
-        self.runner.launch(batch, out.tokens, defer_sample=constrained, after=prev)
+        constrained = any(r.matcher is not None for r in batch.rows)
+        self.runner.launch(batch, inputs, defer_sample=constrained, after=prev)
         slices = self._plan_slices() if self.running.prefilling() else []
         if slices:
-            # NOTE: queued after the decode, so its tokens reach the host while this runs
-            side = batch.beside = Batch(slices=slices, chained=True)
-            self.prepare_launch(side)
-            self.runner.launch(side, None)
-            self.step_times.launched(side)
+            batch.beside = Batch(slices=slices, chained=True)
+            self._launch_beside(batch.beside)
         return batch
 
     def _sample_deferred(self, batch: Batch) -> None:
@@ -497,7 +527,9 @@ class Scheduler:
             self._seat()
         decoding = self.running.decoding()
         ready = [r for r in self.running.prefilling() if due(r)]
-        if not (self._prefill_last and (decoding or ready)):
+        # NOTE: with prompts in the chain, a decode step carries the prefill step beside it
+        beside = self.defaults.prefill_in_chain and bool(decoding or ready)
+        if not beside and not (self._prefill_last and (decoding or ready)):
             slices = self._plan_slices()
             if slices:
                 self._prefill_last = True
@@ -510,6 +542,9 @@ class Scheduler:
             return None
         batch = Batch(decode=rows, joined=joined)
         batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
+        slices = self._plan_slices() if beside else []
+        if slices:
+            batch.beside = Batch(slices=slices)
         return batch
 
     def _seat(self) -> None:

@@ -584,6 +584,7 @@ def test_prompts_prefill_beside_chained_decode_steps(llama, lone):
     _parity(sched, llama, short + long)
     beside = [b for b in launches if b.is_prefill and b.chained]
     assert len(beside) >= 8, len(beside)
+    assert any(b.chained and b.joined for b in launches), "no prompt joined a chained step"
     for rid, *_ in long:
         last = max(i for i, b in enumerate(launches) for c in b.slices if c.req.rid == rid)
         joined = next(i for i, b in enumerate(launches) if any(r.rid == rid for r in b.joined))
@@ -604,3 +605,31 @@ def test_off_the_chain_prefill_and_decode_steps_take_turns(llama):
     _parity(sched, llama, short + long)
     assert not [b for b in launches if b.is_prefill and b.chained]
     assert sched.defaults.prefill_in_chain is False
+
+
+def test_sampled_streams_are_the_same_in_the_chain_and_off_it(llama):
+    """Prompts joining a chained step get a sampler state rebuilt for the new rows, the rows
+    already decoding one token further (`Runner.chained_inputs`): seeded sampling draws by
+    position, so every stream is token for token what it is with decode and prefill steps
+    taking turns; a penalised row (its counts on the device) keeps prompts out of the chain."""
+    rng = random.Random(8)
+    seeded = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    penalised = SamplingParams(
+        max_tokens=30, temperature=0.0, repetition_penalty=1.3, ignore_eos=True
+    )
+    arrivals: dict = {0: [(f"s{i}", random_prompt(rng, 12 + i), seeded) for i in range(3)]}
+    arrivals[3] = [(f"l{i}", random_prompt(rng, 90 + 23 * i), seeded) for i in range(3)]
+    arrivals[30] = [("p", random_prompt(rng, 20), penalised)]
+    arrivals[33] = [(f"m{i}", random_prompt(rng, 70), seeded) for i in range(2)]
+    outs = {}
+    for mode in ("on", "off"):
+        sched = make_scheduler(
+            llama, chunked_prefill_size=16, max_prefill_tokens=32, prefill_in_chain=mode
+        )
+        launches: list = []
+        sched.on_launch = launches.append
+        outs[mode] = {rid: tokens(o) for rid, o in drive(sched, arrivals).items()}
+        assert_pages_balanced(sched)
+        if mode == "on":
+            assert any(b.chained and b.joined for b in launches)
+    assert outs["on"] == outs["off"]
