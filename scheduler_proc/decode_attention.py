@@ -51,17 +51,11 @@ __device__ inline float warp_sum(float v) {
 }
 """
 
-# NOTE: q (B, KVH * G, 1, D); k, v (1, KVH, S, D), the pool's slots; table (B, W) pages per row
-# (`table_shape[1]`: W at run time, so a new table width compiles nothing); lengths (B,) keys per
-# row (0: a pad row, output zeros); scale (1,) float32. Template constants: T, D, G (query heads
-# per KV head), KVH, S (slots), P (page size). Blocks: (split, KV head, row); a split walks its
-# share of the row's keys, in whole tiles (one split: the whole row, and the final output). Each
-# tile's slots are looked up once into shared memory: a thread's own for its key's scores, all
-# of them for the V sums.
-_BODY = """
+# NOTE: both kernels' start: the block's (split, KV head, row), its thread, and the span of the
+# row's keys its split walks, in whole tiles of NT keys (one split: the whole row).
+_SPAN = """
   constexpr int NT = 128;
   constexpr int NW = NT / 32;
-  constexpr int OUT = (G * D + NT - 1) / NT;
   constexpr int VEC = 16 / sizeof(T);
   const float NEG_INF = __int_as_float(0xff800000);
   const int split = blockIdx.x;
@@ -76,6 +70,19 @@ _BODY = """
   const int per = (len + gridDim.x * NT - 1) / (gridDim.x * NT) * NT;
   const int k0 = split * per;
   const int k1 = min(len, k0 + per);
+"""
+
+# NOTE: q (B, KVH * G, 1, D); k, v (1, KVH, S, D), the pool's slots; table (B, W) pages per row
+# (`table_shape[1]`: W at run time, so a new table width compiles nothing); lengths (B,) keys per
+# row (0: a pad row, output zeros); scale (1,) float32. Template constants: T, D, G (query heads
+# per KV head), KVH, S (slots), P (page size). Blocks: (split, KV head, row); a split walks its
+# share of the row's keys, in whole tiles (one split: the whole row, and the final output). Each
+# tile's slots are looked up once into shared memory: a thread's own for its key's scores, all
+# of them for the V sums.
+_BODY = (
+    _SPAN
+    + """
+  constexpr int OUT = (G * D + NT - 1) / NT;
 
   __shared__ float qs[G][D];
   __shared__ float ps[G][NT];
@@ -167,39 +174,26 @@ _BODY = """
   }
 
 """
+)
 
-# NOTE: the same attention, lanes over keys (`_lanes`): each key's D elements are read by L lanes
+# NOTE: the same attention, lanes over keys (`lanes_fit`): each key's D elements are read by L lanes
 # (E each, whole 16-byte loads), so a warp reads 32 / L keys at once, K and V in the same pass.
 # Every group of L lanes keeps its own running max, sum and output over the keys it walks (no
 # shared memory and no block-wide barrier per tile, where `_BODY` takes three), and the groups
 # and warps merge once at the end. Per-thread state is G * E query and output values in
 # registers, so only shapes where G * E <= 64 take it. Each group loads U keys before using any.
 # H200, 128 rows x 4,000 keys, 32/8 heads of 64: `_BODY` read K and V at ~1.2 TB/s.
-_LANES_BODY = """
-  constexpr int NT = 128;
-  constexpr int NW = NT / 32;
-  constexpr int VEC = 16 / sizeof(T);
+_LANES_BODY = (
+    _SPAN
+    + """
   constexpr int L = (D / VEC) < 32 ? (D / VEC) : 32;
   constexpr int E = D / L;
   constexpr int LOADS = E / VEC;
   constexpr int KPW = 32 / L;
   constexpr int U = 4;
   constexpr int STRIDE = NW * KPW;
-  const float NEG_INF = __int_as_float(0xff800000);
-  const int split = blockIdx.x;
-  const int kvh = blockIdx.y;
-  const int b = blockIdx.z;
-  const int t = threadIdx.x;
-  const int lane = t % 32;
-  const int warp = t / 32;
   const int grp = lane / L;
   const int sub = lane % L;
-  const int W = table_shape[1];
-  // NOTE: never past the row's table, whatever the length says.
-  const int len = min(lengths[b], W * P);
-  const int per = (len + gridDim.x * NT - 1) / (gridDim.x * NT) * NT;
-  const int k0 = split * per;
-  const int k1 = min(len, k0 + per);
 
   const float sc = scale[0];
   const size_t head0 = (size_t)b * KVH * G + (size_t)kvh * G;
@@ -337,6 +331,7 @@ _LANES_BODY = """
     }
   }
 """
+)
 
 # NOTE: `_LANES_BODY`, one split: normalise and write the output.
 _LANES_FINAL = """
