@@ -448,7 +448,9 @@ class Scheduler:
         """Prompts due to join that are not rows of `cur` (prompts that joined in the chain are
         promoted at the next settle; until then they are prefilling rows that decode)."""
         rows = set(map(id, cur.rows))
-        return [r for r in self.running.prefilling() if due(r) and id(r) not in rows]
+        return [
+            r for r in self.running.prefilling() if due(r) and not r.finished and id(r) not in rows
+        ]
 
     def _joins_chain(self, cur: Batch, req: Req) -> bool:
         """A due prompt joins the chained step (`Runner.chained_inputs`) when no row's sampling
@@ -558,7 +560,8 @@ class Scheduler:
             self.seats.ended.clear()
 
     def _plan_slices(self) -> list[PromptSlice]:
-        todo = [r for r in self.running.prefilling() if body_left(r) > 0]
+        # NOTE: an aborted prompt is released at the next settle, which a chain puts off
+        todo = [r for r in self.running.prefilling() if body_left(r) > 0 and not r.finished]
         if not todo:
             return []
         decoding = bool(self.running.n_decode)

@@ -633,3 +633,29 @@ def test_sampled_streams_are_the_same_in_the_chain_and_off_it(llama):
         if mode == "on":
             assert any(b.chained and b.joined for b in launches)
     assert outs["on"] == outs["off"]
+
+
+def test_a_prompt_aborted_while_it_prefills_beside_the_chain_runs_no_more_chunks(llama):
+    """An abort ends a prompt at once, but its row is released only at the next settle, which
+    a chain puts off: no chunk of it is planned after the abort, and the rest are served."""
+    rng = random.Random(5)
+    sched = make_scheduler(
+        llama, chunked_prefill_size=16, max_prefill_tokens=32, prefill_in_chain="on"
+    )
+    sched.submit("s", random_prompt(rng, 10), greedy(60))
+    sched.submit("long", random_prompt(rng, 400), greedy(4))
+    launches: list = []
+    sched.on_launch = launches.append
+    while not any(b.chained and b.beside for b in launches):
+        sched.step()
+    sched.abort("long")
+    aborted_at = len(launches)
+    outs: dict = {}
+    while sched.has_work():
+        for o in sched.step():
+            outs.setdefault(o.rid, []).append(o)
+    late = [c for b in launches[aborted_at:] for c in b.slices if c.req.rid == "long"]
+    assert not late, len(late)
+    assert outs["long"][-1].finish_reason == "abort"
+    assert outs["s"][-1].finish_reason == "length"
+    assert_pages_balanced(sched)
