@@ -45,7 +45,7 @@ class ToolCallStream:
                 continue
             at = self._buf.find(self.start)
             if at < 0:
-                keep = _partial_suffix(self._buf, self.start)
+                keep = partial_suffix(self._buf, self.start)
                 content += self._buf[: len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep :]
                 return content, calls
@@ -89,7 +89,7 @@ class ToolCallStream:
         return formatted
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -1,0 +1,69 @@
+"""The reasoning split (tokenizer_proc/reasoning.py): a thought apart from the answer, however
+the text is cut into deltas, whether the prompt opened the thought or the model did."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tokenizer_proc.reasoning import Markers, ReasoningStream, markers_of, opens_inside
+
+THINK = Markers("<think>", "</think>", (7,), (8,))
+
+
+def _split(text: str, cut: int, inside: bool = False) -> tuple[str, str]:
+    """`text` fed in pieces of `cut` characters, then finished: (reasoning, answer)."""
+    stream = ReasoningStream(THINK, inside)
+    reasoning, answer = "", ""
+    for i in range(0, len(text), cut):
+        r, a = stream.feed(text[i : i + cut])
+        reasoning, answer = reasoning + r, answer + a
+    r, a = stream.finish()
+    return reasoning + r, answer + a
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 100])
+def test_a_thought_is_apart_from_the_answer_however_the_text_is_cut(cut):
+    text = "<think>first, 2 < 3; then </thin</think>\n\nThe answer: <b>4</b>\n"
+    assert _split(text, cut) == ("first, 2 < 3; then </thin", "The answer: <b>4</b>\n")
+
+
+@pytest.mark.parametrize("cut", [1, 4, 100])
+def test_a_prompt_that_opened_the_thought_starts_inside_it(cut):
+    assert _split("weigh it</think>\n\nyes", cut, inside=True) == ("weigh it", "yes")
+
+
+def test_a_thought_cut_short_is_all_reasoning():
+    """max_tokens inside the thought: what came is reasoning, the answer is empty."""
+    assert _split("<think>still think", 3) == ("still think", "")
+    assert _split("<think>still </thi", 1) == ("still </thi", "")
+
+
+def test_text_without_markers_is_the_answer():
+    assert _split("plain <thinking> text <", 2) == ("", "plain <thinking> text <")
+
+
+def test_an_answer_keeps_its_own_leading_blank_lines_without_a_thought():
+    assert _split("\n\nhello", 1) == ("", "\n\nhello")
+
+
+def test_the_prompts_last_marker_says_where_generation_starts():
+    assert opens_inside([1, 2, 7], THINK)
+    assert opens_inside([1, 7, 5, 6], THINK)
+    assert not opens_inside([1, 7, 5, 8, 9], THINK)  # NOTE: the template closed it (thinking off)
+    assert not opens_inside([1, 2, 3], THINK)
+    assert not opens_inside([1, 7], None)
+
+
+def test_the_markers_come_from_the_tokenizer_unless_turned_off():
+    tok = SimpleNamespace(
+        has_thinking=True,
+        think_start="<think>",
+        think_end="</think>",
+        think_start_tokens=(7,),
+        think_end_tokens=(8,),
+    )
+    assert markers_of(tok, "auto") == THINK
+    assert markers_of(tok, "none") is None
+    assert markers_of(SimpleNamespace(has_thinking=False), "auto") is None

@@ -1,0 +1,105 @@
+"""A thinking model's reasoning kept apart from its answer, as the text streams.
+
+Text between the model's think markers (`<think>` / `</think>` and the others mlx-lm infers
+from the vocabulary: `TokenizerWrapper.think_start` / `think_end`) is reasoning; the rest is the
+answer, which the tool-call parser then reads. A chat template may open the thought itself (the
+generation prompt ends with the start marker: DeepSeek-R1, Qwen3's thinking-only models), so the
+stream starts inside it when the prompt's last marker is a start (`opens_inside`).
+
+Pure and incremental like `tool_calls.ToolCallStream`: `feed()` each text delta, `finish()` at
+the end; text that could still be the start of a marker is held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizer_proc.tool_calls import partial_suffix
+
+PARSERS = ("auto", "none")
+
+
+@dataclass(frozen=True)
+class Markers:
+    """A model's think markers, as text and as token ids."""
+
+    start: str
+    end: str
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+
+
+def markers_of(tokenizer: Any, parser: str) -> Markers | None:
+    """The model's think markers under `--reasoning-parser`: auto (the tokenizer's, when it has
+    them), none (reasoning stays in the answer's text)."""
+    if parser == "none" or not getattr(tokenizer, "has_thinking", False):
+        return None
+    start, end = tokenizer.think_start, tokenizer.think_end
+    start_ids, end_ids = tokenizer.think_start_tokens, tokenizer.think_end_tokens
+    if not (start and end and start_ids and end_ids):
+        return None
+    return Markers(start, end, tuple(start_ids), tuple(end_ids))
+
+
+def opens_inside(ids: Sequence[int], markers: Markers | None) -> bool:
+    """Whether a prompt leaves the model inside a thought: its last marker is a start."""
+    if markers is None:
+        return False
+    start = _rfind(ids, markers.start_ids)
+    return start >= 0 and start > _rfind(ids, markers.end_ids)
+
+
+def _rfind(ids: Sequence[int], seq: tuple[int, ...]) -> int:
+    n = len(seq)
+    for i in range(len(ids) - n, -1, -1):
+        if tuple(ids[i : i + n]) == seq:
+            return i
+    return -1
+
+
+class ReasoningStream:
+    """Splits generated text into (reasoning, answer); `inside`: the prompt opened the thought."""
+
+    def __init__(self, markers: Markers, inside: bool = False) -> None:
+        self.markers = markers
+        self.inside = inside
+        self._buf = ""
+        self._lead = False  # NOTE: right after a thought: the template's blank line is dropped
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Reasoning and answer text that are final now."""
+        self._buf += text
+        reasoning: list[str] = []
+        answer: list[str] = []
+        while self._buf:
+            marker = self.markers.end if self.inside else self.markers.start
+            at = self._buf.find(marker)
+            if at < 0:
+                at = len(self._buf) - partial_suffix(self._buf, marker)
+                self._take(self._buf[:at], reasoning, answer)
+                self._buf = self._buf[at:]
+                break
+            self._take(self._buf[:at], reasoning, answer)
+            self._buf = self._buf[at + len(marker) :]
+            self._lead = self.inside
+            self.inside = not self.inside
+        return "".join(reasoning), "".join(answer)
+
+    def finish(self) -> tuple[str, str]:
+        """What is left (a partial marker is text): reasoning if the thought never ended."""
+        reasoning: list[str] = []
+        answer: list[str] = []
+        self._take(self._buf, reasoning, answer)
+        self._buf = ""
+        return "".join(reasoning), "".join(answer)
+
+    def _take(self, text: str, reasoning: list[str], answer: list[str]) -> None:
+        if self.inside:
+            reasoning.append(text)
+            return
+        if self._lead:
+            text = text.lstrip("\n")
+            self._lead = not text
+        answer.append(text)
