@@ -110,6 +110,12 @@ class EngineConfig:
         "overlap loop keeps chaining while prompts prefill): auto (on CUDA, where the host sets "
         "a decode step's pace), on, off (decode and prefill steps take turns, unchained)",
     )
+    reasoning_parser: str = _opt(
+        "auto",
+        "A thinking model's thought apart from its answer on the HTTP APIs (reasoning_content, "
+        "thinking blocks, reasoning items): auto (the tokenizer's think markers, when it has "
+        "them), none (the thought stays in the text)",
+    )
     prefill_attention: str = _opt(
         "auto",
         "Prompt-chunk attention: auto (ops on CUDA, whose masked fast kernel builds per shape), "
@@ -229,6 +235,8 @@ class EngineConfig:
         for name in ("warmup", "fused_decode", "prefill_in_chain"):
             if getattr(self, name) not in ON_OFF_AUTO:
                 raise ValueError(f"{name} must be auto, on or off, got {getattr(self, name)}")
+        if self.reasoning_parser not in ("auto", "none"):
+            raise ValueError(f"reasoning_parser must be auto or none, got {self.reasoning_parser}")
         if self.prefill_attention not in ("auto", "ops", "fast"):
             raise ValueError(
                 f"prefill_attention must be auto, ops or fast, got {self.prefill_attention}"

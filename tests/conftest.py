@@ -69,6 +69,14 @@ def tiny_qwen3_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_think_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny model whose every reply is a thought, then an answer (tests/think_model.py)."""
+    from think_model import make_think_model
+
+    return make_think_model(tmp_path_factory.mktemp("tiny-think"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_tool_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A 2-layer llama whose chat template has tools and whose greedy answer is a tool call."""
     from tool_model import make_tool_model

@@ -34,17 +34,27 @@ TEMPLATE = (
 )
 
 
+TOOL_TOKENS = {"<issue_start>": "<tool_call>", "<issue_comment>": "</tool_call>"}
+
+
 def make_tool_model(out: Path, tokenizer_from: Path) -> Path:
+    return make_scripted_model(out, tokenizer_from, TOOL_TOKENS, TEMPLATE, ANSWER)
+
+
+def make_scripted_model(
+    out: Path, tokenizer_from: Path, names: dict[str, str], template: str, answer: str
+) -> Path:
+    """A tiny model whose greedy reply to any chat is `answer` (its tokens distinct), with
+    added tokens renamed (`names`: old -> new, not special) and its own chat `template`."""
     make_random_model(
         out, {**TINY_LLAMA, "tie_word_embeddings": False}, tokenizer_from=tokenizer_from
     )
-    _rename_tokens(out)
-    _chain_weights(out)
+    _rename_tokens(out, names, template)
+    _chain_weights(out, answer)
     return out
 
 
-def _rename_tokens(out: Path) -> None:
-    names = {"<issue_start>": "<tool_call>", "<issue_comment>": "</tool_call>"}
+def _rename_tokens(out: Path, names: dict[str, str], template: str) -> None:
     tok = json.loads((out / "tokenizer.json").read_text())
     for added in tok["added_tokens"]:
         if added["content"] in names:
@@ -57,18 +67,18 @@ def _rename_tokens(out: Path) -> None:
     for entry in config.get("added_tokens_decoder", {}).values():
         if entry["content"] in names:
             entry["content"], entry["special"] = names[entry["content"]], False
-    config["chat_template"] = TEMPLATE
+    config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def answer_ids(out: Path) -> list[int]:
+def answer_ids(out: Path, answer: str = ANSWER) -> list[int]:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(out).encode(ANSWER, add_special_tokens=False)
+    return AutoTokenizer.from_pretrained(out).encode(answer, add_special_tokens=False)
 
 
-def _chain_weights(out: Path) -> None:
-    chain = [198, *answer_ids(out), 2]  # "\n" ends the generation prompt; 2 is <|im_end|>
+def _chain_weights(out: Path, answer: str) -> None:
+    chain = [198, *answer_ids(out, answer), 2]  # "\n" ends the generation prompt; 2 is <|im_end|>
     assert len(set(chain)) == len(chain), "the answer's tokens must be distinct"
     model, config = load_model(out)
     params = dict(tree_flatten(model.parameters()))

@@ -79,6 +79,7 @@ def parse(body: Any, rid: str, model: str) -> Request:
         raise InvalidRequest("stream", "must be a boolean")
     gen = tt.Generate(rid, params=params)
     gen.messages, gen.tools = conversation(body)
+    gen.chat_template_kwargs = thinking_kwargs(body)
     choice = body.get("tool_choice")
     gen.tool_choice = tool_choice.wire(tool_choice.normalize(choice))
     # NOTE: Anthropic says it the other way round, inside tool_choice
@@ -132,12 +133,22 @@ def _stop_sequences(stop: Any) -> list[str]:
 
 
 def _thinking(thinking: Any) -> None:
-    # NOTE: extended thinking needs a reasoning model and a budget the engine does not keep;
-    # asking for it is a 400 rather than an answer without the thinking asked for.
+    # NOTE: a thinking model's thought comes back as `thinking` blocks whether or not it is
+    # asked for; "enabled" also asks for a budget, which the engine does not keep yet: a 400
+    # rather than an answer whose thought ignored the budget asked for.
     if thinking is None:
         return
     if not isinstance(thinking, dict) or thinking.get("type") != "disabled":
-        raise InvalidRequest("thinking", "extended thinking is not supported; omit it")
+        raise InvalidRequest(
+            "thinking", "a thinking budget is not supported yet; omit thinking, or disable it"
+        )
+
+
+def thinking_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`thinking: {type: disabled}` as the chat template's `enable_thinking: false` (a
+    template that has the switch renders an empty thought; others ignore it)."""
+    thinking = body.get("thinking")
+    return {"enable_thinking": False} if thinking is not None else None
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -290,10 +301,19 @@ class Formatter:
             "usage": usage(final) if final is not None else None,
         }
 
-    def whole(self, text: str, final: tc.Chunk, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    def whole(
+        self, text: str, final: tc.Chunk, calls: list[dict[str, Any]], reasoning: str = ""
+    ) -> dict[str, Any]:
+        content = [thinking_block(reasoning)] if reasoning else []
+        content += [{"type": "text", "text": text}] if text else []
         content += [tool_use_block(c) for c in calls]
         return self.message(content, final)
+
+
+def thinking_block(text: str) -> dict[str, Any]:
+    """The model's thought as a `thinking` block; its signature is empty: the engine signs
+    nothing, and a client sends the block back as it got it."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 class Events:
@@ -305,7 +325,7 @@ class Events:
     def __init__(self, fmt: Formatter) -> None:
         self.fmt = fmt
         self.blocks = 0  # content blocks started
-        self.text_open = False
+        self.open: str | None = None  # the open block's type: "thinking", "text" or None
         self.calls = 0
 
     def start(self, first: tc.Chunk) -> bytes:
@@ -313,13 +333,18 @@ class Events:
         message["usage"] = {**usage(first), "output_tokens": 0}
         return event("message_start", {"message": message}) + event("ping", {})
 
+    def reasoning(self, text: str) -> bytes:
+        """The thought's text as `thinking_delta`s of a `thinking` block."""
+        if not text:
+            return b""
+        out = self._open("thinking", thinking_block(""))
+        delta = {"type": "thinking_delta", "thinking": text}
+        return out + event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
+
     def delta(self, text: str) -> bytes:
         if not text:
             return b""
-        out = b""
-        if not self.text_open:
-            out += self._start_block({"type": "text", "text": ""})
-            self.text_open = True
+        out = self._open("text", {"type": "text", "text": ""})
         delta = {"type": "text_delta", "text": text}
         return out + event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
 
@@ -342,11 +367,24 @@ class Events:
         self.blocks += 1
         return event("content_block_start", {"index": self.blocks - 1, "content_block": block})
 
-    def _close_text(self) -> bytes:
-        if not self.text_open:
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+        """The block of this kind open, the one before closed (a thought ends before the text)."""
+        if self.open == kind:
             return b""
-        self.text_open = False
-        return event("content_block_stop", {"index": self.blocks - 1})
+        out = self._close_text() + self._start_block(block)
+        self.open = kind
+        return out
+
+    def _close_text(self) -> bytes:
+        """Close the open thinking or text block, if any."""
+        if self.open is None:
+            return b""
+        out = b""
+        if self.open == "thinking":
+            delta = {"type": "signature_delta", "signature": ""}
+            out += event("content_block_delta", {"index": self.blocks - 1, "delta": delta})
+        self.open = None
+        return out + event("content_block_stop", {"index": self.blocks - 1})
 
 
 def error_body(message: str, kind: str) -> dict[str, Any]:

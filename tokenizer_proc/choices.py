@@ -57,11 +57,13 @@ def total_usage(parts: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = parts[0]["prompt_tokens"]
     completion = sum(p["completion_tokens"] for p in parts)
     cached = max(p["prompt_tokens_details"]["cached_tokens"] for p in parts)
+    reasoning = sum(p["completion_tokens_details"]["reasoning_tokens"] for p in parts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
 
 

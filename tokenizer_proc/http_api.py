@@ -195,7 +195,8 @@ class HttpApi:
         echo = await self._echo(req)
         if req.best_of > 1:
             return await self._serve_choices(request, req, echo)
-        reply = Reply(req, openai_api.Formatter(req, self.tokenizer), self.tokenizer)
+        fmt = openai_api.Formatter(req, self.tokenizer)
+        reply = Reply(req, fmt, self.tokenizer, markers=self.fe.markers)
         reply.echo = echo
         return await self._serve(request, req.generate, req.renamed, reply, req.stream)
 
@@ -244,7 +245,8 @@ class HttpApi:
         replies = []
         for i, g in enumerate(gens):
             fmt = openai_api.Formatter(req, self.tokenizer, index=i, ident=ident)
-            replies.append(Reply(req, fmt, self.tokenizer, tail=False, rid=g.rid))
+            reply = Reply(req, fmt, self.tokenizer, tail=False, rid=g.rid, markers=self.fe.markers)
+            replies.append(reply)
             replies[-1].echo = echo
         try:
             client = request["client"]
@@ -269,7 +271,7 @@ class HttpApi:
         facts = self.core.settings
         rid = f"http-{uuid.uuid4().hex}"
         req = responses_api.parse(body, rid, facts.model, facts.max_context)
-        reply = ResponsesReply(req, self.tokenizer)
+        reply = ResponsesReply(req, self.tokenizer, self.fe.markers)
         return await self._serve(request, req.generate, RESPONSES_NAMES, reply, req.stream)
 
     # --- Anthropic endpoints --------------------------------------------------------------------
@@ -277,13 +279,15 @@ class HttpApi:
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request, self.fe.config)
         req = anthropic_api.parse(body, f"http-{uuid.uuid4().hex}", self.core.settings.model)
-        reply = MessagesReply(req, self.tokenizer)
+        reply = MessagesReply(req, self.tokenizer, self.fe.markers)
         return await self._serve(request, req.generate, ANTHROPIC_NAMES, reply, req.stream)
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         body = await _json_body(request, self.fe.config)
         messages, tools = anthropic_api.parse_count(body)
-        ids = await self.fe.tokenize(tt.Generate("count", messages=messages, tools=tools))
+        kwargs = anthropic_api.thinking_kwargs(body)
+        count = tt.Generate("count", messages=messages, tools=tools, chat_template_kwargs=kwargs)
+        ids = await self.fe.tokenize(count)
         return json_response(msgspec.json.encode({"input_tokens": len(ids)}))
 
     # --- utility endpoints ----------------------------------------------------------------------

@@ -42,7 +42,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {"logit_bias": ({},)}
 COMMON = {*SAMPLING, *IGNORED, *NEUTRAL, "stream", "stream_options", "max_tokens", "stop"}
 COMMON |= {"response_format", "n"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"}
-CHAT |= {"tool_choice", "parallel_tool_calls"}
+CHAT |= {"tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 COMPLETION = COMMON | {"prompt", "logprobs", "best_of", "echo"}
 # NOTE: each choice (or best_of candidate) is a request: admission counts them all
 MAX_CHOICES = 16
@@ -197,6 +197,8 @@ def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages", "must be a non-empty list")
     gen.messages = [_message(i, m) for i, m in enumerate(messages)]
+    if "chat_template_kwargs" in body:
+        gen.chat_template_kwargs = prepare.template_kwargs(body["chat_template_kwargs"])
     tools = body.get("tools")
     choice = tool_choice.normalize(body.get("tool_choice"))
     gen.parallel_tool_calls = flag(body, "parallel_tool_calls", True)
@@ -258,7 +260,7 @@ def _completion_input(gen: tt.Generate, body: dict[str, Any]) -> None:
 
 # --- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------------
 
-TOKENIZE = {"model", "prompt", "messages", "tools", "add_generation_prompt"}
+TOKENIZE = {"model", "prompt", "messages", "tools", "add_generation_prompt", "chat_template_kwargs"}
 
 
 def parse_tokenize(body: Any) -> tuple[tt.Generate, bool]:
@@ -299,12 +301,14 @@ def finish_reason(engine_reason: str, made_tool_calls: bool) -> str:
     return OPENAI_FINISH.get(engine_reason, engine_reason)
 
 
-def usage(final: tc.Chunk) -> dict[str, Any]:
+def usage(final: tc.Chunk, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """`reasoning_tokens`: of the completion's, those of the model's thought."""
     return {
         "prompt_tokens": final.prompt_tokens,
         "completion_tokens": final.completion_tokens,
         "total_tokens": final.prompt_tokens + final.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
 
 
@@ -373,9 +377,13 @@ class Formatter:
         finish: str | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
         role: bool = False,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         if self.req.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if reasoning:
+                # NOTE: both names: vLLM's and SGLang's clients read one, newer ones the other
+                delta["reasoning_content"] = delta["reasoning"] = reasoning
             if text or role:
                 delta["content"] = text
             if tool_calls:
@@ -390,8 +398,8 @@ class Formatter:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, final: tc.Chunk) -> dict[str, Any]:
-        return {**self._envelope(True), "choices": [], "usage": usage(final)}
+    def usage_chunk(self, final: tc.Chunk, reasoning_tokens: int = 0) -> dict[str, Any]:
+        return {**self._envelope(True), "choices": [], "usage": usage(final, reasoning_tokens)}
 
     # --- whole ----------------------------------------------------------------------------------
 
@@ -401,10 +409,14 @@ class Formatter:
         final: tc.Chunk,
         logprobs: list[dict[str, Any]],
         tool_calls: list[dict[str, Any]],
+        reasoning: str = "",
+        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index}
         if self.req.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if tool_calls:
                 message["tool_calls"] = [_without_index(c) for c in tool_calls]
                 message["content"] = text or None
@@ -415,7 +427,8 @@ class Formatter:
             _merge_logprobs(logprobs) if self.req.top_logprobs is not None else None
         )
         choice["finish_reason"] = finish_reason(final.finish_reason or "stop", bool(tool_calls))
-        return {**self._envelope(False), "choices": [choice], "usage": usage(final)}
+        out = {**self._envelope(False), "choices": [choice]}
+        return {**out, "usage": usage(final, reasoning_tokens)}
 
 
 def _without_index(call: dict[str, Any]) -> dict[str, Any]:

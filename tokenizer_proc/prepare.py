@@ -64,8 +64,11 @@ def token_ids(
         if source != "messages":
             raise InvalidRequest("tools", "tools need messages (a chat)")
     # NOTE: source_of() made sure exactly one of the three is given.
+    if req.chat_template_kwargs is not None and source != "messages":
+        raise InvalidRequest("chat_template_kwargs", "needs messages (a chat)")
     if req.messages is not None:
-        ids = _from_messages(req.messages, tokenizer, req.tools, generation_prompt)
+        extra = template_kwargs(req.chat_template_kwargs)
+        ids = _from_messages(req.messages, tokenizer, req.tools, generation_prompt, extra)
     elif req.prompt is not None:
         ids = _from_prompt(req.prompt, tokenizer)
     else:
@@ -85,11 +88,30 @@ def _from_prompt(prompt: str, tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(prompt, add_special_tokens=special))
 
 
+# NOTE: what the template call itself sets; a client's kwargs may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "return_dict"}
+)
+
+
+def template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """A request's `chat_template_kwargs`: a JSON object of the template's own variables."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequest("chat_template_kwargs", "must be an object of template variables")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise InvalidRequest("chat_template_kwargs", f"may not set {', '.join(reserved)}")
+    return dict(kwargs)
+
+
 def _from_messages(
     messages: list[dict[str, Any]],
     tokenizer: Any,
     tools: list[dict[str, Any]] | None,
     generation_prompt: bool = True,
+    template: dict[str, Any] | None = None,
 ) -> list[int]:
     if not messages:
         raise InvalidRequest("messages", "must not be empty")
@@ -99,7 +121,7 @@ def _from_messages(
                 raise InvalidRequest(f"messages[{i}].{key}", "must be a string")
     if tools and not getattr(tokenizer, "has_tool_calling", False):
         raise InvalidRequest("tools", "this model's chat template has no tool calling")
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template or {}), **({"tools": tools} if tools else {})}
     try:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, **extra

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -15,6 +15,7 @@ from engine.messages import to_client as tc
 from engine.wire_errors import to_exception
 from tokenizer_proc import anthropic_api, choices, openai_api, responses_api, tool_calls
 from tokenizer_proc.http_errors import ANTHROPIC_TYPES, STATUS, error_body, status_of
+from tokenizer_proc.reasoning import Markers, ReasoningStream
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer.http")
@@ -23,34 +24,67 @@ DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-class ApiReply:
-    """What both APIs' replies share: text and tool calls chunk by chunk (the tool-call parser
-    when tools were offered), and the SSE stream; each API's subclass says what its stream opens
-    with (`_opening`) and what one engine message adds (`_events`)."""
+class Piece(NamedTuple):
+    """What one engine chunk adds to a reply: answer text, reasoning text, tool calls."""
 
-    def __init__(self, rid: str, tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+    text: str
+    reasoning: str
+    calls: list[dict[str, Any]]
+
+
+class Whole(NamedTuple):
+    """A whole reply: its answer, last chunk, tool calls and reasoning."""
+
+    text: str
+    final: tc.Chunk
+    calls: list[dict[str, Any]]
+    reasoning: str
+
+
+class ApiReply:
+    """What both APIs' replies share: reasoning, text and tool calls chunk by chunk (the
+    reasoning split when the model thinks, the tool-call parser when tools were offered), and
+    the SSE stream; each API's subclass says what its stream opens with (`_opening`) and what one
+    engine message adds (`_events`)."""
+
+    def __init__(
+        self,
+        rid: str,
+        tokenizer: Any,
+        tools: list[dict[str, Any]] | None,
+        markers: Markers | None = None,
+    ) -> None:
         self.rid = rid
         self.tools = tool_calls.for_request(tokenizer, tools)
         self.calls = 0
+        self.markers = markers
+        self.reasoner: ReasoningStream | None = None
+        self.reasoning_tokens = 0
+
+    def begin(self, entry: Entry) -> None:
+        """Before its first chunk: the reasoning split starts inside a thought when the prompt
+        opened one (`Entry.thinking`)."""
+        if self.markers is not None:
+            self.reasoner = ReasoningStream(self.markers, entry.thinking)
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def _collect(
-        self, entry: Entry, each: Any = None
-    ) -> tuple[str, tc.Chunk, list[dict[str, Any]]]:
-        """(text, last chunk, tool calls) of a whole reply; `each` sees every chunk."""
-        text, calls = [], []
+    async def _collect(self, entry: Entry, each: Any = None) -> Whole:
+        """The whole reply; `each` sees every chunk."""
+        self.begin(entry)
+        text, reasoning, calls = [], [], []
         while True:
             chunk = _chunk(await entry.replies().get())
-            piece, new_calls = self._text(chunk)
-            text.append(piece)
-            calls += new_calls
+            piece = self._text(chunk)
+            text.append(piece.text)
+            reasoning.append(piece.reasoning)
+            calls += piece.calls
             if each is not None:
                 each(chunk)
             if chunk.finish_reason is not None:
                 _check_finish(chunk)
-                return "".join(text), chunk, calls
+                return Whole("".join(text), chunk, calls, "".join(reasoning))
 
     def _opening(self, first: tc.Chunk) -> bytes:
         return b""
@@ -61,6 +95,7 @@ class ApiReply:
 
     async def stream(self, request: web.Request, entry: Entry) -> web.StreamResponse:
         queue = entry.replies()
+        self.begin(entry)
         # NOTE: nothing is sent before the engine's first answer, so a refusal after admission
         # (the scheduler's own queue bound, a drain that began) still gets its HTTP status.
         first = _chunk(await queue.get())
@@ -89,16 +124,26 @@ class ApiReply:
             done = self._events(await queue.get(), out)
         await resp.write_eof()
 
-    def _text(self, chunk: tc.Chunk) -> tuple[str, list[dict[str, Any]]]:
-        """The chunk's content and tool calls (the tool-call parser holds back marker text)."""
+    def _text(self, chunk: tc.Chunk) -> Piece:
+        """The chunk's answer, reasoning and tool calls (both parsers hold back marker text);
+        a chunk with reasoning in it, or a marker, counts its tokens as reasoning tokens."""
+        text, reasoning, end = chunk.text, "", chunk.finish_reason is not None
+        if self.reasoner is not None:
+            inside = self.reasoner.inside
+            reasoning, text = self.reasoner.feed(text)
+            if end:
+                more, rest = self.reasoner.finish()
+                reasoning, text = reasoning + more, text + rest
+            if inside or self.reasoner.inside or reasoning:
+                self.reasoning_tokens += len(chunk.token_ids)
         if self.tools is None:
-            return chunk.text, []
-        text, calls = self.tools.feed(chunk.text)
-        if chunk.finish_reason is not None:
-            rest, more = self.tools.finish()
-            text, calls = text + rest, calls + more
+            return Piece(text, reasoning, [])
+        text, calls = self.tools.feed(text)
+        if end:
+            rest, more_calls = self.tools.finish()
+            text, calls = text + rest, calls + more_calls
         self.calls += len(calls)
-        return text, calls
+        return Piece(text, reasoning, calls)
 
 
 class Reply(ApiReply):
@@ -113,8 +158,11 @@ class Reply(ApiReply):
         tokenizer: Any,
         tail: bool = True,
         rid: str = "",
+        markers: Markers | None = None,
     ) -> None:
-        super().__init__(rid or req.generate.rid, tokenizer, req.generate.tools)
+        # NOTE: completions are raw text: only a chat's reply splits its reasoning out
+        think = markers if req.kind == "chat" else None
+        super().__init__(rid or req.generate.rid, tokenizer, req.generate.tools, think)
         self.req, self.fmt, self.tail = req, fmt, tail
         self.echo: str | None = None
         self.final: tc.Chunk | None = None
@@ -131,8 +179,9 @@ class Reply(ApiReply):
             if (lp := self.fmt.logprobs(chunk)) is not None:
                 logprobs.append(lp)
 
-        text, final, calls = await self._collect(entry, keep)
-        return self.fmt.whole((self.echo or "") + text, final, logprobs, calls)
+        text, final, calls, reasoning = await self._collect(entry, keep)
+        text = (self.echo or "") + text
+        return self.fmt.whole(text, final, logprobs, calls, reasoning, self.reasoning_tokens)
 
     def _score(self, chunk: tc.Chunk) -> None:
         self.logprob_sum += sum(lp.logprob for lp in chunk.logprobs)
@@ -152,10 +201,11 @@ class Reply(ApiReply):
             out += DONE if self.tail else b""
             return True
         self.final = msg
-        text, calls = self._text(msg)
+        text, reasoning, calls = self._text(msg)
         logprobs = self.fmt.logprobs(msg)
-        if text or calls or (logprobs and msg.token_ids):
-            out += _event(self.fmt.stream_chunk(text, logprobs, tool_calls=calls))
+        if text or calls or reasoning or (logprobs and msg.token_ids):
+            chunk = self.fmt.stream_chunk(text, logprobs, tool_calls=calls, reasoning=reasoning)
+            out += _event(chunk)
         if msg.finish_reason is None:
             return False
         if msg.finish_reason in ("stop", "length"):
@@ -166,7 +216,7 @@ class Reply(ApiReply):
             out += _error_event(_finish_error(msg))
         if self.tail:
             if self.req.include_usage:
-                out += _event(self.fmt.usage_chunk(msg))
+                out += _event(self.fmt.usage_chunk(msg, self.reasoning_tokens))
             out += DONE
         return True
 
@@ -189,7 +239,8 @@ class _EventReply(ApiReply):
         if isinstance(msg, tc.Failure):
             out += self._error(to_exception(msg))
             return True
-        text, calls = self._text(msg)
+        text, reasoning, calls = self._text(msg)
+        out += self.events.reasoning(reasoning)
         out += self.events.delta(text)
         for call in calls:
             out += self.events.tool_call(call)
@@ -205,8 +256,10 @@ class _EventReply(ApiReply):
 class MessagesReply(_EventReply):
     """One /v1/messages request's replies: a message object, or its stream of events."""
 
-    def __init__(self, req: anthropic_api.Request, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
+    def __init__(
+        self, req: anthropic_api.Request, tokenizer: Any, markers: Markers | None = None
+    ) -> None:
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools, markers)
         self.req = req
         self.fmt = anthropic_api.Formatter(req)
         self.events = anthropic_api.Events(self.fmt)
@@ -221,8 +274,10 @@ class MessagesReply(_EventReply):
 class ResponsesReply(_EventReply):
     """One /v1/responses request's replies: a response object, or its stream of events."""
 
-    def __init__(self, req: responses_api.Request, tokenizer: Any) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools)
+    def __init__(
+        self, req: responses_api.Request, tokenizer: Any, markers: Markers | None = None
+    ) -> None:
+        super().__init__(req.generate.rid, tokenizer, req.generate.tools, markers)
         self.fmt = responses_api.Formatter(req)
         self.events = responses_api.Events(self.fmt)
 
@@ -283,6 +338,7 @@ async def stream_choices(
     await resp.prepare(request)
     out, ended = bytearray(), set()
     for i, first in enumerate(firsts):
+        replies[i].begin(entries[i])
         out += replies[i]._opening(first)
         if replies[i]._events(first, out):
             ended.add(i)
@@ -304,5 +360,7 @@ def _choices_tail(req: openai_api.Request, replies: list[Reply]) -> bytes:
     finals = [r.final for r in replies if r.final is not None]
     if not req.include_usage or len(finals) < len(replies) or any(r.failed for r in replies):
         return DONE
-    usage = choices.total_usage([openai_api.usage(f) for f in finals])
+    usage = choices.total_usage(
+        [openai_api.usage(r.final, r.reasoning_tokens) for r in replies if r.final is not None]
+    )
     return _event({**replies[0].fmt.usage_chunk(finals[0]), "usage": usage}) + DONE

@@ -28,6 +28,7 @@ class Entry:
     aborted: bool = False  # abort asked: do not forward it, or tell the scheduler
     gone: bool = False  # the client went away: nothing more is sent to it
     tools: Any = None  # an SDK request's tool-call parser (`tool_calls.ToolCallStream`)
+    thinking: bool = False  # its prompt left the model inside a thought (`reasoning.py`)
     # NOTE: the request's timeline, recorded here only: logged once and fed to the latency
     # histograms when it finishes.
     admitted_at: float = field(default_factory=time.monotonic)

@@ -250,9 +250,23 @@ class Formatter:
             "content": [part] if done else [],
         }
 
-    def whole(self, text: str, final: tc.Chunk, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        output = [self.message(text)] if text or not calls else []
+    def whole(
+        self, text: str, final: tc.Chunk, calls: list[dict[str, Any]], reasoning: str = ""
+    ) -> dict[str, Any]:
+        output = [reasoning_item(reasoning)] if reasoning else []
+        output += [self.message(text)] if text or not calls else []
         return self.response(output + [function_call(c) for c in calls], final)
+
+
+def reasoning_item(text: str, done: bool = True) -> dict[str, Any]:
+    """The model's thought as a `reasoning` output item (its text as `reasoning_text`)."""
+    return {
+        "type": "reasoning",
+        "id": "rs_" + uuid.uuid4().hex,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if done else [],
+        "status": "completed" if done else "in_progress",
+    }
 
 
 def function_call(call: dict[str, Any], done: bool = True) -> dict[str, Any]:
@@ -279,6 +293,8 @@ class Events:
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished output items
         self.text: list[str] | None = None  # the open message's text so far
+        self.thought: dict[str, Any] | None = None  # the open reasoning item
+        self.thought_text: list[str] = []
 
     def start(self) -> bytes:
         snapshot = self.fmt.response([], None)
@@ -286,10 +302,39 @@ class Events:
             "response.in_progress", response=snapshot
         )
 
-    def delta(self, text: str) -> bytes:
+    def reasoning(self, text: str) -> bytes:
+        """The thought's text as `reasoning_text` deltas of a `reasoning` item."""
         if not text:
             return b""
         out = b""
+        if self.thought is None:
+            self.thought, self.thought_text = reasoning_item("", done=False), []
+            out += self._event(
+                "response.output_item.added", output_index=self._index(), item=self.thought
+            )
+        self.thought_text.append(text)
+        return out + self._event("response.reasoning_text.delta", **self._thought_at(), delta=text)
+
+    def _close_thought(self) -> bytes:
+        if self.thought is None:
+            return b""
+        text, at = "".join(self.thought_text), self._thought_at()
+        item = {**reasoning_item(text), "id": self.thought["id"]}
+        self.thought = None
+        self.items.append(item)
+        out = self._event("response.reasoning_text.done", **at, text=text)
+        return out + self._event(
+            "response.output_item.done", output_index=at["output_index"], item=item
+        )
+
+    def _thought_at(self) -> dict[str, Any]:
+        assert self.thought is not None
+        return {"item_id": self.thought["id"], "output_index": self._index(), "content_index": 0}
+
+    def delta(self, text: str) -> bytes:
+        if not text:
+            return b""
+        out = self._close_thought()
         if self.text is None:
             self.text = []
             item = self.fmt.message("", done=False)
@@ -300,7 +345,7 @@ class Events:
         return out + self._event("response.output_text.delta", **self._at(), delta=text)
 
     def tool_call(self, call: dict[str, Any]) -> bytes:
-        out = self._close_text()
+        out = self._close_thought() + self._close_text()
         item = function_call(call)
         index = self._index()
         out += self._event(
@@ -314,7 +359,7 @@ class Events:
         return out + self._event("response.output_item.done", output_index=index, item=item)
 
     def finish(self, final: tc.Chunk) -> bytes:
-        out = self._close_text()
+        out = self._close_thought() + self._close_text()
         response = self.fmt.response(self.items, final)
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         return out + self._event(kind, response=response)

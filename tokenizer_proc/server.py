@@ -33,7 +33,7 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare, tool_calls
+from tokenizer_proc import limits, prepare, reasoning, tool_calls
 from tokenizer_proc.admission import INLINE_CHARS, Admission, Admitted, slow_text
 from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
@@ -60,6 +60,8 @@ class TokenizerServer:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # NOTE: the model's think markers, when its thought is kept apart (`--reasoning-parser`)
+        self.markers = reasoning.markers_of(tokenizer, config.reasoning_parser)
         slots = facts.running_slots or config.max_running_requests
         self.core = FrontDoor(
             door_settings(
@@ -357,6 +359,7 @@ class TokenizerServer:
         task.add_done_callback(self._tasks.discard)
 
     def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
+        entry.thinking = reasoning.opens_inside(ids, self.markers)
         if not self.core.forwarded(msg.rid, entry):
             self._spawn(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return

@@ -41,6 +41,9 @@ class Generate(Message):
     # a call, its arguments held to the tool's schema (tokenizer_proc/tool_choice.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # NOTE: extra variables for the chat template (vLLM's and SGLang's field), e.g.
+    # {"enable_thinking": false} (tokenizer_proc/prepare.py)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class AbortRequest(Message):
