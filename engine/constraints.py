@@ -7,42 +7,18 @@ the engine never imports torch. Its masks cost 15-27 us a row on this CPU (docs/
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING
-
 from engine.errors import InvalidRequest
 
-if TYPE_CHECKING:
-    from engine.sampling_params import SamplingParams
+# NOTE: the cheap rules live with the parameters (`SamplingParams.validate` runs them): this
+# module, which compiles, depends on them, not the other way round
+from engine.sampling_params import CONSTRAINT_FIELDS as FIELDS
+from engine.sampling_params import SamplingParams, check_shape, field_of
 
-# NOTE: the one field of SamplingParams each constraint kind lives in
-FIELDS = ("json_schema", "regex", "grammar")
+__all__ = ["FIELDS", "JSON_STYLE", "check", "field_of", "grammar_of"]
+
 # NOTE: json.dumps's separators (what models see in their training data and templates) and no
 # free whitespace: with it a weak model's JSON ran to max_tokens in newlines and spaces.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_CONSTRAINT_CHARS = 256 << 10
-
-
-def field_of(params: SamplingParams) -> str | None:
-    """The constraint field a request set, or None; `InvalidRequest` when it set several."""
-    set_ = [name for name in FIELDS if getattr(params, name) is not None]
-    if len(set_) > 1:
-        raise InvalidRequest(set_[1], f"only one of {', '.join(FIELDS)} per request")
-    return set_[0] if set_ else None
-
-
-def check_shape(params: SamplingParams) -> str | None:
-    """The cheap rules (one constraint, its size), no compiling: the constraint's field or None."""
-    name = field_of(params)
-    if name is None:
-        return None
-    value = getattr(params, name)
-    size = len(json.dumps(value)) if name == "json_schema" else len(value)
-    if size > MAX_CONSTRAINT_CHARS:
-        raise InvalidRequest(name, f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}")
-    if not value and name != "json_schema":
-        raise InvalidRequest(name, "must not be empty")
-    return name
 
 
 def grammar_of(params: SamplingParams) -> str | None:

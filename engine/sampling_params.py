@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -97,13 +98,38 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             )
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         if self.constrained:  # NOTE: compiled later, off the front door's loop (constraints.py)
-            from engine import constraints
-
-            constraints.check_shape(self)
+            check_shape(self)
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids out of range [0, {vocab_size}): {bad}")
         return self
+
+
+# NOTE: the one field of SamplingParams each structured-output constraint kind lives in
+CONSTRAINT_FIELDS = ("json_schema", "regex", "grammar")
+MAX_CONSTRAINT_CHARS = 256 << 10
+
+
+def field_of(params: SamplingParams) -> str | None:
+    """The constraint field a request set, or None; `InvalidRequest` when it set several."""
+    set_ = [name for name in CONSTRAINT_FIELDS if getattr(params, name) is not None]
+    if len(set_) > 1:
+        raise InvalidRequest(set_[1], f"only one of {', '.join(CONSTRAINT_FIELDS)} per request")
+    return set_[0] if set_ else None
+
+
+def check_shape(params: SamplingParams) -> str | None:
+    """A constraint's cheap rules (one of them, its size), no compiling: its field or None."""
+    name = field_of(params)
+    if name is None:
+        return None
+    value = getattr(params, name)
+    size = len(json.dumps(value)) if name == "json_schema" else len(value)
+    if size > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequest(name, f"at most {MAX_CONSTRAINT_CHARS} characters, got {size}")
+    if not value and name != "json_schema":
+        raise InvalidRequest(name, "must not be empty")
+    return name
 
 
 def _check(ok: bool, field: str, message: str) -> None:
