@@ -119,6 +119,7 @@ CITY = {
 }
 TWO = [*TOOLS, {"type": "function", "function": {"name": "g", "parameters": CITY}}]
 NAMED_G = {"type": "function", "function": {"name": "g"}}
+EMPTY = {"type": "object", "properties": {}}
 
 
 def _check_g(arguments: str) -> None:
@@ -277,3 +278,55 @@ def test_an_unterminated_or_broken_call_stays_text(tiny_tool_model_dir):
     s = ToolCallStream(tok.tool_call_start, tok.tool_call_end, tok.tool_parser, TOOLS)
     assert s.feed("<tool_call>{not json") == ("", [])
     assert s.finish() == ("<tool_call>{not json", [])
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir: Path, tmp_path_factory):
+    """An engine on a model whose template has no tool calling (the default tokenizer's)."""
+    log = tmp_path_factory.mktemp("plain-tools") / "launch.log"
+    launched = LaunchedEngine(tiny_model_dir, log).wait_ready()
+    yield launched
+    launched.stop()
+
+
+def test_a_model_without_a_tool_format_is_forced_into_the_generic_json_form(plain):
+    """`required` or a named function on any model: the reply is held to a JSON array of
+    `{"name", "parameters"}` calls, each held to its tool's schema, and parsed by the engine
+    (vLLM's form); sampled at temperature 1, 128 replies, every one a valid call. `auto` on
+    such a model still refuses tools (there is no format to parse them from)."""
+    client = openai.OpenAI(base_url=plain.http + "/v1", api_key="unused", max_retries=0)
+    # NOTE: f closed to extra keys: an open object lets a random model write keys to max_tokens
+    closed_f = {**TOOLS[0]["function"], "parameters": {**EMPTY, "additionalProperties": False}}
+    tools = [{"type": "function", "function": closed_f}, TWO[1]]
+    kwargs = dict(model="m", messages=ASK, tools=tools, max_tokens=96, temperature=1.0)
+    for i in range(8):
+        r = client.chat.completions.create(
+            n=16, seed=i, tool_choice="required", parallel_tool_calls=False, **kwargs
+        )
+        for choice in r.choices:
+            calls = choice.message.tool_calls or []
+            assert len(calls) == 1 and choice.finish_reason == "tool_calls", choice
+            if calls[0].function.name == "g":
+                _check_g(calls[0].function.arguments)
+            else:
+                assert calls[0].function.name == "f"
+                assert json.loads(calls[0].function.arguments) == {}
+    chunks = list(client.chat.completions.create(tool_choice=NAMED_G, stream=True, **kwargs))
+    calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert [c.function.name for c in calls] == ["g"]
+    _check_g(calls[0].function.arguments)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(tool_choice="auto", **kwargs)
+    assert e.value.body["param"] == "tools"
+
+
+def test_the_generic_form_tells_a_model_without_tools_of_them(plain, tiny_model_dir):
+    """Its template cannot show tools, so the system message names them (the prompt grows by
+    their specs), and the SDK gets the parsed calls too."""
+    tok = load_tokenizer(tiny_model_dir)
+    bare = len(tok.apply_chat_template(ASK, add_generation_prompt=True))
+    with EngineClient(plain.address, timeout=30.0) as client:
+        r = client.generate(messages=ASK, tools=TWO, max_tokens=64, tool_choice=NAMED_G)
+    assert [c["function"]["name"] for c in r.tool_calls] == ["g"], (r.text, r.finish_reason)
+    _check_g(r.tool_calls[0]["function"]["arguments"])
+    assert r.usage.prompt_tokens > bare + 20

@@ -203,7 +203,7 @@ def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
     choice = tool_choice.normalize(body.get("tool_choice"))
     gen.parallel_tool_calls = flag(body, "parallel_tool_calls", True)
     if tools is not None:
-        prepare.check_tools(tools)
+        tool_choice.check_tools(tools)
         gen.tools = tools if tools and choice != "none" else None
     gen.tool_choice = tool_choice.wire(choice)
 

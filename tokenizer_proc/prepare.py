@@ -4,12 +4,14 @@ no sockets, no state."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.prompt_check import check_prompt
+from tokenizer_proc.tool_choice import check_tools, generic_form
 
 SOURCES = ("prompt", "messages", "input_ids")
 
@@ -24,12 +26,6 @@ def source_of(req: Generate) -> str:
     return given[0]
 
 
-def check_tools(tools: Any) -> None:
-    """OpenAI-style tool specs, as the HTTP API and the SDK take them."""
-    if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
-        raise InvalidRequest("tools", "must be a list of {type: function, function: {name, ...}}")
-
-
 def converted_tools(
     tools: Any, convert: Callable[[int, Any], dict[str, Any]]
 ) -> list[dict[str, Any]] | None:
@@ -42,15 +38,6 @@ def converted_tools(
     out = [convert(j, t) for j, t in enumerate(tools)]
     check_tools(out)
     return out
-
-
-def _is_tool(tool: Any) -> bool:
-    return (
-        isinstance(tool, dict)
-        and tool.get("type") == "function"
-        and isinstance(tool.get("function"), dict)
-        and isinstance(tool["function"].get("name"), str)
-    )
 
 
 def token_ids(
@@ -68,7 +55,10 @@ def token_ids(
         raise InvalidRequest("chat_template_kwargs", "needs messages (a chat)")
     if req.messages is not None:
         extra = template_kwargs(req.chat_template_kwargs)
-        ids = _from_messages(req.messages, tokenizer, req.tools, generation_prompt, extra)
+        messages, tools = req.messages, req.tools
+        if tools and generic_form(req, tokenizer) and not _renders_tools(tokenizer):
+            messages, tools = tools_told(messages, tools), None
+        ids = _from_messages(messages, tokenizer, tools, generation_prompt, extra)
     elif req.prompt is not None:
         ids = _from_prompt(req.prompt, tokenizer)
     else:
@@ -77,6 +67,29 @@ def token_ids(
         if any(type(t) is not int for t in ids):
             raise InvalidRequest("input_ids", "must be a list of integer token ids")
     return check_prompt(ids, vocab_size, max_context, source)
+
+
+def _renders_tools(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "has_tool_calling", False))
+
+
+# NOTE: the engine's words to a model whose template cannot show tools, when a call is forced
+# (the grammar holds the reply to this form whatever the model makes of them)
+TOOLS_TOLD = (
+    "You can call these tools (JSON specs):\n{specs}\n"
+    'Reply with a JSON array of calls, each {{"name": ..., "parameters": {{...}}}}.'
+)
+
+
+def tools_told(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat with the tools described in its system message (one is added first when it
+    has none), for a forced call in the generic form on a model whose template has no tools."""
+    specs = "\n".join(json.dumps(t["function"]) for t in tools)
+    note = TOOLS_TOLD.format(specs=specs)
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first['content']}\n\n{note}"}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
 
 
 def _from_prompt(prompt: str, tokenizer: Any) -> list[int]:

@@ -13,7 +13,14 @@ from aiohttp import web
 from engine.errors import EngineError, InvalidRequest, ShuttingDown
 from engine.messages import to_client as tc
 from engine.wire_errors import to_exception
-from tokenizer_proc import anthropic_api, choices, openai_api, responses_api, tool_calls
+from tokenizer_proc import (
+    anthropic_api,
+    choices,
+    openai_api,
+    responses_api,
+    tool_calls,
+    tool_choice,
+)
 from tokenizer_proc.http_errors import ANTHROPIC_TYPES, STATUS, error_body, status_of
 from tokenizer_proc.reasoning import Markers, ReasoningStream
 from tokenizer_proc.requests import Entry
@@ -53,9 +60,11 @@ class ApiReply:
         tokenizer: Any,
         tools: list[dict[str, Any]] | None,
         markers: Markers | None = None,
+        generic: bool = False,
     ) -> None:
+        """`generic`: a forced call in the generic JSON form (`tool_choice.generic_form`)."""
         self.rid = rid
-        self.tools = tool_calls.for_request(tokenizer, tools)
+        self.tools = tool_calls.for_request(tokenizer, tools, generic)
         self.calls = 0
         self.markers = markers
         self.reasoner: ReasoningStream | None = None
@@ -162,7 +171,9 @@ class Reply(ApiReply):
     ) -> None:
         # NOTE: completions are raw text: only a chat's reply splits its reasoning out
         think = markers if req.kind == "chat" else None
-        super().__init__(rid or req.generate.rid, tokenizer, req.generate.tools, think)
+        gen = req.generate
+        generic = tool_choice.generic_form(gen, tokenizer)
+        super().__init__(rid or gen.rid, tokenizer, gen.tools, think, generic)
         self.req, self.fmt, self.tail = req, fmt, tail
         self.echo: str | None = None
         self.final: tc.Chunk | None = None
@@ -259,7 +270,9 @@ class MessagesReply(_EventReply):
     def __init__(
         self, req: anthropic_api.Request, tokenizer: Any, markers: Markers | None = None
     ) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools, markers)
+        gen = req.generate
+        generic = tool_choice.generic_form(gen, tokenizer)
+        super().__init__(gen.rid, tokenizer, gen.tools, markers, generic)
         self.req = req
         self.fmt = anthropic_api.Formatter(req)
         self.events = anthropic_api.Events(self.fmt)
@@ -277,7 +290,9 @@ class ResponsesReply(_EventReply):
     def __init__(
         self, req: responses_api.Request, tokenizer: Any, markers: Markers | None = None
     ) -> None:
-        super().__init__(req.generate.rid, tokenizer, req.generate.tools, markers)
+        gen = req.generate
+        generic = tool_choice.generic_form(gen, tokenizer)
+        super().__init__(gen.rid, tokenizer, gen.tools, markers, generic)
         self.fmt = responses_api.Formatter(req)
         self.events = responses_api.Events(self.fmt)
 

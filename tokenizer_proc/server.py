@@ -33,7 +33,7 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare, reasoning, tool_calls
+from tokenizer_proc import limits, prepare, reasoning, tool_calls, tool_choice
 from tokenizer_proc.admission import INLINE_CHARS, Admission, Admitted, slow_text
 from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
@@ -313,7 +313,8 @@ class TokenizerServer:
     async def _on_generate(self, client: bytes, msg: tt.Generate) -> None:
         entry = Entry(client, client=self._welcomed.get(client) or _sdk_client(client))
         if isinstance(msg.tools, list):
-            entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
+            generic = tool_choice.generic_form(msg, self.tokenizer)
+            entry.tools = tool_calls.for_request(self.tokenizer, msg.tools, generic)
         try:
             await self._admit(msg, entry)
         except EngineError as e:

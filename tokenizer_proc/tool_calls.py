@@ -75,18 +75,44 @@ class ToolCallStream:
         return out
 
     def _format(self, call: dict[str, Any]) -> dict[str, Any]:
-        args = call.get("arguments", {})
-        formatted = {
-            "index": self.calls,
-            "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {
-                "name": call["name"],
-                "arguments": args if isinstance(args, str) else json.dumps(args),
-            },
-        }
         self.calls += 1
-        return formatted
+        return _openai_call(call["name"], call.get("arguments", {}), self.calls - 1, call.get("id"))
+
+
+def _openai_call(name: str, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "id": ident or f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": name,
+            "arguments": args if isinstance(args, str) else json.dumps(args),
+        },
+    }
+
+
+class JsonCalls:
+    """A forced call in the generic form (`tool_choice._generic`): the whole reply is a JSON
+    array of `{"name", "parameters"}`, parsed at its end. A reply that does not parse (cut by
+    max_tokens) stays text. The same `feed` / `finish` as `ToolCallStream`."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._buf: list[str] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._buf.append(text)
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        text, self._buf = "".join(self._buf), []
+        try:
+            parsed = json.loads(text)
+            calls = [_openai_call(c["name"], c["parameters"], i) for i, c in enumerate(parsed)]
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        self.calls = len(calls)
+        return "", calls
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -97,7 +123,7 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def split_calls(stream: ToolCallStream, chunk: Chunk) -> Chunk:
+def split_calls(stream: ToolCallStream | JsonCalls, chunk: Chunk) -> Chunk:
     """An SDK chunk with its tool calls parsed out of its text (as the HTTP API does)."""
     text, calls = stream.feed(chunk.text)
     if chunk.finish_reason is not None:
@@ -106,8 +132,14 @@ def split_calls(stream: ToolCallStream, chunk: Chunk) -> Chunk:
     return msgspec.structs.replace(chunk, text=text, tool_calls=calls)
 
 
-def for_request(tokenizer: Any, tools: list[dict[str, Any]] | None) -> ToolCallStream | None:
-    """A stream parser when the request has tools and the model's tokenizer marks tool calls."""
+def for_request(
+    tokenizer: Any, tools: list[dict[str, Any]] | None, generic: bool = False
+) -> ToolCallStream | JsonCalls | None:
+    """A stream parser when the request has tools: the generic form's when its call is forced
+    so (`generic`, `tool_choice.own_format`), else the model's own when its tokenizer marks
+    tool calls."""
+    if tools and generic:
+        return JsonCalls()
     if not tools or not getattr(tokenizer, "has_tool_calling", False):
         return None
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
