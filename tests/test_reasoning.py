@@ -54,6 +54,9 @@ def test_the_prompts_last_marker_says_where_generation_starts():
     assert not opens_inside([1, 7, 5, 8, 9], THINK)  # NOTE: the template closed it (thinking off)
     assert not opens_inside([1, 2, 3], THINK)
     assert not opens_inside([1, 7], None)
+    # NOTE: only the prompt's tail is searched: a long prompt costs the same
+    assert opens_inside(list(range(20, 100_000)) + [7, 5], THINK)
+    assert not opens_inside([7] + [5] * 100_000, THINK)
 
 
 def test_the_markers_come_from_the_tokenizer_unless_turned_off():

@@ -43,12 +43,19 @@ def markers_of(tokenizer: Any, parser: str) -> Markers | None:
     return Markers(start, end, tuple(start_ids), tuple(end_ids))
 
 
+# NOTE: a template opens the thought at the very end of its generation prompt; only that far back
+# is searched (a scan of a 100k-token prompt in Python would hold the front door's loop)
+TAIL_TOKENS = 64
+
+
 def opens_inside(ids: Sequence[int], markers: Markers | None) -> bool:
-    """Whether a prompt leaves the model inside a thought: its last marker is a start."""
+    """Whether a prompt leaves the model inside a thought: its last marker (within its last
+    `TAIL_TOKENS` tokens) is a start."""
     if markers is None:
         return False
-    start = _rfind(ids, markers.start_ids)
-    return start >= 0 and start > _rfind(ids, markers.end_ids)
+    tail = ids[-TAIL_TOKENS:]
+    start = _rfind(tail, markers.start_ids)
+    return start >= 0 and start > _rfind(tail, markers.end_ids)
 
 
 def _rfind(ids: Sequence[int], seq: tuple[int, ...]) -> int:
