@@ -15,8 +15,20 @@ from engine.messages import to_tokenizer as tt
 # NOTE: the keywords that say what to run and how to wait; every other one is a sampling keyword
 # and travels in `Generate.params`.
 REQUEST_KEYS = frozenset(
-    {"messages", "input_ids", "tools", "tool_choice", "parallel_tool_calls", "rid", "timeout"}
+    {
+        "messages",
+        "input_ids",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+        "rid",
+        "timeout",
+    }
 )
+# NOTE: sampling fields the front door fills in from the model (its think markers, whether the
+# prompt opened a thought): not keywords; a client's value is replaced
+FILLED_IN = frozenset({"think_start_id", "think_end_id", "think_inside"})
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -26,8 +38,11 @@ class GenerateOptions(TypedDict, total=False):
     the chat template with `messages`, as over HTTP; the model's tool calls come back parsed in
     `tool_calls` (OpenAI's shape), out of `text`. `tool_choice="required"` or `{"type":
     "function", "function": {"name": ...}}` forces a call (arguments held to the tool's schema);
-    `parallel_tool_calls=False` allows one. `timeout`: seconds for the whole request (None: no
-    deadline); `rid`: the request's id (default: a fresh one), for `abort`.
+    `parallel_tool_calls=False` allows one. `chat_template_kwargs`: variables for the chat
+    template (`{"enable_thinking": False}`). `think_budget`: a thinking model's thought ends
+    after that many tokens (its end marker forced) and the answer follows. `timeout`: seconds
+    for the whole request (None: no deadline); `rid`: the request's id (default: a fresh one),
+    for `abort`.
     """
 
     messages: list[dict[str, Any]] | None
@@ -35,6 +50,7 @@ class GenerateOptions(TypedDict, total=False):
     tools: list[dict[str, Any]] | None
     tool_choice: str | dict[str, Any] | None
     parallel_tool_calls: bool
+    chat_template_kwargs: dict[str, Any] | None
     rid: str | None
     timeout: float | None
     # NOTE: sampling (engine/sampling_params.py says what each means and its default)
@@ -55,6 +71,7 @@ class GenerateOptions(TypedDict, total=False):
     json_schema: dict[str, Any] | None
     regex: str | None
     grammar: str | None
+    think_budget: int | None
 
 
 def generate_message(prompt: str | None, options: GenerateOptions, rid: str) -> tt.Generate:
@@ -68,4 +85,5 @@ def generate_message(prompt: str | None, options: GenerateOptions, rid: str) -> 
         tools=options.get("tools"),
         tool_choice=options.get("tool_choice"),
         parallel_tool_calls=options.get("parallel_tool_calls", True),
+        chat_template_kwargs=options.get("chat_template_kwargs"),
     )

@@ -43,6 +43,13 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     json_schema: dict[str, Any] | None = None
     regex: str | None = None
     grammar: str | None = None
+    # NOTE: a thinking model's thought capped at this many tokens, then its end marker forced
+    # (Anthropic's `thinking.budget_tokens`); the front door fills in the markers' ids and
+    # whether the prompt opened the thought (tokenizer_proc/reasoning.py)
+    think_budget: int | None = None
+    think_start_id: int | None = None
+    think_end_id: int | None = None
+    think_inside: bool = False
 
     @classmethod
     def parse(cls, raw: dict[str, Any], vocab_size: int | None = None) -> SamplingParams:
@@ -99,6 +106,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         _check(all(s for s in self.stop), "stop", "stop strings must be non-empty")
         if self.constrained:  # NOTE: compiled later, off the front door's loop (constraints.py)
             check_shape(self)
+        if self.think_budget is not None:
+            budget = self.think_budget
+            _check(1 <= budget < 2**63, "think_budget", f"must be >= 1, got {budget}")
+            _check(
+                not self.constrained, "think_budget", "cannot be combined with structured output"
+            )
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids out of range [0, {vocab_size}): {bad}")

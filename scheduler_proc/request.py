@@ -52,6 +52,11 @@ class Req:
     prompt_lps: list[Any] = field(default_factory=list)
     prompt_lp_upto: int = 1  # prompt positions covered so far (position 0 has none)
     prompt_lp_sent: bool = False
+    # NOTE: a thought under a budget (`SamplingParams.think_budget`): inside one now, its tokens
+    # so far, and the end marker that replaces the next sampled token once the budget is spent
+    thinking: bool = False
+    thought: int = 0
+    force_next: int | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -194,6 +194,7 @@ class Scheduler:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         max_new = min(params.max_tokens, self.max_context - len(input_ids))
         req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop), client)
+        req.thinking = params.think_inside
         if params.constrained:
             if not checked:
                 constraints.check(params)
@@ -419,6 +420,10 @@ class Scheduler:
     def _can_chain(self, cur: Batch) -> bool:
         if not self._chains_from(cur) or self._seatable():
             return False
+        # NOTE: a row whose next token is forced (`_follow_thought`): the step after `cur` must
+        # take that token as its input, known only once `cur`'s sampled one is replaced
+        if any(r.force_next is not None for r in cur.rows):
+            return False
         if self.running.prefilling() and not self._prefill_chains(cur):
             return False
         # NOTE: a request that must finish at `cur` (length) would only waste the chained step.
@@ -609,9 +614,13 @@ class Scheduler:
     def _accept(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
         if req.finished:
             return
+        if req.force_next is not None:  # NOTE: the thought's budget is spent: its end instead
+            token, logprob, req.force_next = req.force_next, None, None
         n = req.params.logprobs
         req.append(token, TokenLogprob(logprob.logprob, logprob.top[:n]) if n and logprob else None)
         self._counters["generated_tokens"] += 1
+        if req.params.think_budget is not None:
+            _follow_thought(req, token)
         if req.matcher is not None:
             _follow_grammar(req, token)
         self._touched[req.rid] = req
@@ -672,6 +681,20 @@ class Scheduler:
             self._waiting.remove(req)
         else:
             self._to_free[req.rid] = req
+
+
+def _follow_thought(req: Req, token: int) -> None:
+    """Count a thought's tokens; at its budget the next token is forced to the end marker
+    (the token sampled after this one is replaced: its step wrote this one's KV)."""
+    p = req.params
+    if token == p.think_start_id:
+        req.thinking = True
+    elif token == p.think_end_id:
+        req.thinking = False
+    elif req.thinking:
+        req.thought += 1
+        if req.thought >= (p.think_budget or 0):
+            req.force_next = p.think_end_id
 
 
 def _follow_grammar(req: Req, token: int) -> None:

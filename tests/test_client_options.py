@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.generate_options import REQUEST_KEYS, GenerateOptions, generate_message
+from engine.generate_options import FILLED_IN, REQUEST_KEYS, GenerateOptions, generate_message
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(30)
 def test_every_sampling_field_is_a_typed_keyword():
     """A field added to SamplingParams without its keyword would be untyped in the SDK."""
     sampling = set(GenerateOptions.__annotations__) - REQUEST_KEYS
-    assert sampling == set(SamplingParams.__struct_fields__)
+    assert sampling | FILLED_IN == set(SamplingParams.__struct_fields__)
+    assert not sampling & FILLED_IN
     assert REQUEST_KEYS <= set(GenerateOptions.__annotations__)
 
 

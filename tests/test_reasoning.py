@@ -70,3 +70,36 @@ def test_the_markers_come_from_the_tokenizer_unless_turned_off():
     assert markers_of(tok, "auto") == THINK
     assert markers_of(tok, "none") is None
     assert markers_of(SimpleNamespace(has_thinking=False), "auto") is None
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_the_scheduler_ends_a_thought_at_its_budget(tiny_think_model_dir, overlap):
+    """The token after the budget's last is replaced by the end marker, in the overlap loop
+    (the chain stops for it: the next step takes the marker as its input) and the sync loop."""
+    from scheduler_util import drive, make_scheduler, tiny_model
+    from think_model import FINAL
+
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer_loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_think_model_dir)
+    model = tiny_model(tiny_think_model_dir)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
+    (start,), (end,) = tok.think_start_tokens, tok.think_end_tokens
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    sched = make_scheduler(model, disable_overlap=not overlap)
+    for budget, thought in ((2, "Count apples"), (1, "Count"), (9, "Count apples then add")):
+        params = SamplingParams(
+            max_tokens=12,
+            temperature=0.0,
+            think_budget=budget,
+            think_start_id=start,
+            think_end_id=end,
+            think_inside=True,
+            stop_token_ids=[im_end],
+        )
+        outs = drive(sched, {0: [(f"b{budget}", list(prompt), params)]})
+        ids = [t for o in outs[f"b{budget}"] for t in o.token_ids]
+        assert tok.decode(ids[:-1]) == f"{thought}</think>{FINAL}", (budget, tok.decode(ids))

@@ -117,6 +117,26 @@ def test_thinking_turned_off_renders_the_templates_empty_thought(engine, oai):
     assert count.input_tokens == len(off)
 
 
+def test_a_thinking_budget_ends_the_thought_and_the_answer_follows(engine):
+    """`thinking: {type: enabled, budget_tokens: 2}`: after two tokens of thought the engine
+    forces the end marker (the next sampled token is replaced), and the model answers."""
+    client = anthropic.Anthropic(base_url=engine.http, api_key="x", max_retries=0, timeout=30)
+    thinking = {"type": "enabled", "budget_tokens": 2}
+    for _ in range(2):  # NOTE: the second reads the first's prompt from the prefix cache
+        msg = client.messages.create(
+            model="m", max_tokens=20, messages=ASK, thinking=thinking, **GREEDY
+        )
+        assert [b.type for b in msg.content] == ["thinking", "text"], msg.content
+        assert msg.content[0].thinking == "Count apples" and msg.content[1].text == FINAL
+    for bad in ({"type": "enabled", "budget_tokens": 20}, {"type": "enabled"}, {"type": "x"}):
+        status, body = post_json(
+            engine,
+            "/v1/messages",
+            {"model": "m", "max_tokens": 20, "messages": ASK, "thinking": bad},
+        )
+        assert status == 400 and body["error"]["message"].startswith("thinking"), body
+
+
 def test_bad_template_kwargs_are_refused_by_name(engine):
     for bad in ([1], {"add_generation_prompt": False}):
         status, body = post_json(
@@ -134,5 +154,9 @@ def test_with_the_parser_off_the_thought_stays_in_the_text(tiny_think_model_dir,
         message = _chat(client, max_tokens=20).choices[0].message
         assert message.content == f"{REASONING}</think>{FINAL}"
         assert "reasoning_content" not in (message.model_extra or {})
+        budget = {"type": "enabled", "budget_tokens": 2}
+        body = {"model": "m", "max_tokens": 20, "messages": ASK, "thinking": budget}
+        status, reply = post_json(launched, "/v1/messages", body)
+        assert status == 400 and "thinking.budget_tokens" in reply["error"]["message"], reply
     finally:
         launched.stop()

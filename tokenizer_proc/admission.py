@@ -16,12 +16,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from engine import constraints
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.sampling_params import SamplingParams
-from tokenizer_proc import limits, prepare, tool_choice
+from tokenizer_proc import limits, prepare, reasoning, tool_choice
 from tokenizer_proc.core import FrontDoor
 from tokenizer_proc.requests import Entry
 
@@ -41,6 +43,7 @@ class Admission:
     def __init__(self, core: FrontDoor, config: EngineConfig, tokenizer: Any) -> None:
         """`tokenizer`: None where every prompt comes as token ids (`OfflineEngine`)."""
         self.core, self.config, self.tokenizer = core, config, tokenizer
+        self.markers = reasoning.markers_of(tokenizer, config.reasoning_parser)
 
     def admit(self, msg: Generate, entry: Entry) -> Admitted:
         """Admitted into the core's table, or the typed error that refused it (counted)."""
@@ -55,10 +58,22 @@ class Admission:
         params = self.core.admit(msg, entry, screen)
         try:
             limits.check_stop(params, self.config)
+            params = self._thought(params)
         except EngineError as e:
             self.core.fail(msg.rid, e)
             raise
         return Admitted(params, chars)
+
+    def _thought(self, params: SamplingParams) -> SamplingParams:
+        """A thinking budget gets the model's think markers (one token each, which the
+        scheduler counts and forces); a model without them is a 400 naming `think_budget`."""
+        if params.think_budget is None:
+            return params
+        m = self.markers
+        if m is None or len(m.start_ids) != 1 or len(m.end_ids) != 1:
+            raise InvalidRequest("think_budget", "needs a thinking model (one-token think markers)")
+        ids = {"think_start_id": m.start_ids[0], "think_end_id": m.end_ids[0]}
+        return msgspec.structs.replace(params, **ids)
 
     def pooled(self, msg: Generate, admitted: Admitted) -> bool:
         """Whether `token_ids` is slow enough for a worker thread: long text, many messages, or

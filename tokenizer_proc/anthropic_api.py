@@ -77,6 +77,9 @@ def parse(body: Any, rid: str, model: str) -> Request:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("stream", "must be a boolean")
+    budget = _budget(body.get("thinking"), params["max_tokens"])
+    if budget is not None:
+        params["think_budget"] = budget
     gen = tt.Generate(rid, params=params)
     gen.messages, gen.tools = conversation(body)
     gen.chat_template_kwargs = thinking_kwargs(body)
@@ -133,22 +136,35 @@ def _stop_sequences(stop: Any) -> list[str]:
 
 
 def _thinking(thinking: Any) -> None:
-    # NOTE: a thinking model's thought comes back as `thinking` blocks whether or not it is
-    # asked for; "enabled" also asks for a budget, which the engine does not keep yet: a 400
-    # rather than an answer whose thought ignored the budget asked for.
+    """`{type: disabled}` or `{type: enabled, budget_tokens}` (a thinking model's thought comes
+    back as `thinking` blocks either way unless disabled; the budget is kept: `_budget`)."""
     if thinking is None:
         return
-    if not isinstance(thinking, dict) or thinking.get("type") != "disabled":
+    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled"):
         raise InvalidRequest(
-            "thinking", "a thinking budget is not supported yet; omit thinking, or disable it"
+            "thinking", "must be {type: enabled, budget_tokens} or {type: disabled}"
         )
+
+
+def _budget(thinking: Any, max_tokens: Any) -> int | None:
+    """`thinking.budget_tokens` of an enabled thought: at most that many tokens of thought, then
+    the engine ends it (the end marker forced) and the answer follows; below max_tokens."""
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        raise InvalidRequest("thinking.budget_tokens", "must be a positive integer")
+    if type(max_tokens) is int and budget >= max_tokens:
+        raise InvalidRequest("thinking.budget_tokens", "must be less than max_tokens")
+    return budget
 
 
 def thinking_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
     """`thinking: {type: disabled}` as the chat template's `enable_thinking: false` (a
     template that has the switch renders an empty thought; others ignore it)."""
     thinking = body.get("thinking")
-    return {"enable_thinking": False} if thinking is not None else None
+    disabled = isinstance(thinking, dict) and thinking.get("type") == "disabled"
+    return {"enable_thinking": False} if disabled else None
 
 
 def _system(system: Any) -> list[dict[str, Any]]:

@@ -361,6 +361,8 @@ class TokenizerServer:
 
     def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
         entry.thinking = reasoning.opens_inside(ids, self.markers)
+        if params.think_budget is not None:  # NOTE: its count starts inside a thought or not
+            params = msgspec.structs.replace(params, think_inside=entry.thinking)
         if not self.core.forwarded(msg.rid, entry):
             self._spawn(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return
