@@ -12,6 +12,7 @@ from aiohttp import web
 
 from engine.errors import EngineError, InvalidRequest, ShuttingDown
 from engine.messages import to_client as tc
+from engine.messages import to_tokenizer as tt
 from engine.wire_errors import to_exception
 from tokenizer_proc import (
     anthropic_api,
@@ -55,16 +56,13 @@ class ApiReply:
     engine message adds (`_events`)."""
 
     def __init__(
-        self,
-        rid: str,
-        tokenizer: Any,
-        tools: list[dict[str, Any]] | None,
-        markers: Markers | None = None,
-        generic: bool = False,
+        self, gen: tt.Generate, tokenizer: Any, markers: Markers | None = None, rid: str = ""
     ) -> None:
-        """`generic`: a forced call in the generic JSON form (`tool_choice.generic_form`)."""
-        self.rid = rid
-        self.tools = tool_calls.for_request(tokenizer, tools, generic)
+        """`gen`: the request (its tools, and whether a forced call takes the generic JSON form,
+        `tool_choice.generic_form`); `rid`: this reply's, when not `gen`'s (a choice of `n`)."""
+        self.rid = rid or gen.rid
+        generic = tool_choice.generic_form(gen, tokenizer)
+        self.tools = tool_calls.for_request(tokenizer, gen.tools, generic)
         self.calls = 0
         self.markers = markers
         self.reasoner: ReasoningStream | None = None
@@ -171,9 +169,7 @@ class Reply(ApiReply):
     ) -> None:
         # NOTE: completions are raw text: only a chat's reply splits its reasoning out
         think = markers if req.kind == "chat" else None
-        gen = req.generate
-        generic = tool_choice.generic_form(gen, tokenizer)
-        super().__init__(rid or gen.rid, tokenizer, gen.tools, think, generic)
+        super().__init__(req.generate, tokenizer, think, rid)
         self.req, self.fmt, self.tail = req, fmt, tail
         self.echo: str | None = None
         self.final: tc.Chunk | None = None
@@ -270,9 +266,7 @@ class MessagesReply(_EventReply):
     def __init__(
         self, req: anthropic_api.Request, tokenizer: Any, markers: Markers | None = None
     ) -> None:
-        gen = req.generate
-        generic = tool_choice.generic_form(gen, tokenizer)
-        super().__init__(gen.rid, tokenizer, gen.tools, markers, generic)
+        super().__init__(req.generate, tokenizer, markers)
         self.req = req
         self.fmt = anthropic_api.Formatter(req)
         self.events = anthropic_api.Events(self.fmt)
@@ -290,9 +284,7 @@ class ResponsesReply(_EventReply):
     def __init__(
         self, req: responses_api.Request, tokenizer: Any, markers: Markers | None = None
     ) -> None:
-        gen = req.generate
-        generic = tool_choice.generic_form(gen, tokenizer)
-        super().__init__(gen.rid, tokenizer, gen.tools, markers, generic)
+        super().__init__(req.generate, tokenizer, markers)
         self.fmt = responses_api.Formatter(req)
         self.events = responses_api.Events(self.fmt)
 
