@@ -231,7 +231,7 @@ class InProcessEngine:
         # NOTE: the entry names no client (no fair share): every caller of this engine is one.
         entry = Entry(owner)
         if isinstance(msg.tools, list):
-            entry.tools = tool_calls.for_request(self.tokenizer, msg.tools)
+            entry.tools = tool_calls.for_request(self.tokenizer, msg)
         try:
             admitted = self.admission.admit(msg, entry)
         except EngineError as e:
@@ -240,6 +240,7 @@ class InProcessEngine:
         params = admitted.params
         try:
             ids = self.admission.token_ids(msg, params)
+            params = self.admission.for_prompt(params, ids)
             self.sched.submit(msg.rid, ids, params, checked=True)
         except Exception as e:  # NOTE: as in the scheduler process: one bad request fails alone
             self._reply(to_failure(msg.rid, self.admission.fail(msg.rid, e)))

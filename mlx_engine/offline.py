@@ -67,7 +67,8 @@ class OfflineEngine:
         admitted = self.admission.admit(request, entry)
         try:
             ids = self.admission.token_ids(request, admitted.params)
-            self.scheduler.submit(request.rid, ids, admitted.params, checked=True)
+            params = self.admission.for_prompt(admitted.params, ids)
+            self.scheduler.submit(request.rid, ids, params, checked=True)
         except Exception as e:
             raise self.admission.fail(request.rid, e) from e
         self.core.forwarded(request.rid, entry)

@@ -103,3 +103,22 @@ def test_the_scheduler_ends_a_thought_at_its_budget(tiny_think_model_dir, overla
         outs = drive(sched, {0: [(f"b{budget}", list(prompt), params)]})
         ids = [t for o in outs[f"b{budget}"] for t in o.token_ids]
         assert tok.decode(ids[:-1]) == f"{thought}</think>{FINAL}", (budget, tok.decode(ids))
+
+
+def test_the_in_process_engine_counts_a_thought_the_prompt_opened(tiny_think_model_dir):
+    """The budget's count starts inside the thought the template opened on every front door
+    (`Admission.for_prompt`), the in-process engine's as the launched one's."""
+    from think_model import FINAL
+
+    from engine.client import EngineClient
+    from mlx_engine.inprocess import InProcessEngine
+
+    transport = InProcessEngine(str(tiny_think_model_dir), max_total_tokens=4096)
+    with EngineClient(transport=transport, timeout=30.0) as client:
+        r = client.generate(
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            temperature=0.0,
+            think_budget=2,
+        )
+    assert r.text == f"Count apples</think>{FINAL}", r.text

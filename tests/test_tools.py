@@ -330,3 +330,13 @@ def test_the_generic_form_tells_a_model_without_tools_of_them(plain, tiny_model_
     assert [c["function"]["name"] for c in r.tool_calls] == ["g"], (r.text, r.finish_reason)
     _check_g(r.tool_calls[0]["function"]["arguments"])
     assert r.usage.prompt_tokens > bare + 20
+
+
+def test_the_in_process_engine_parses_a_call_in_the_generic_form(tiny_model_dir):
+    """The same parser choice on every front door (`tool_calls.for_request`): a forced call
+    on a model without a tool format comes back parsed from the in-process engine too."""
+    transport = InProcessEngine(str(tiny_model_dir), max_total_tokens=4096)
+    with EngineClient(transport=transport, timeout=30.0) as client:
+        r = client.generate(messages=ASK, tools=TWO, max_tokens=64, tool_choice=NAMED_G)
+    assert [c["function"]["name"] for c in r.tool_calls] == ["g"], (r.text, r.finish_reason)
+    _check_g(r.tool_calls[0]["function"]["arguments"])

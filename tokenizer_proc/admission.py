@@ -64,6 +64,14 @@ class Admission:
             raise
         return Admitted(params, chars)
 
+    def for_prompt(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """The params the scheduler gets for this prompt: a thinking budget's count starts
+        inside a thought when the prompt opened one (`reasoning.opens_inside`)."""
+        if params.think_budget is None:
+            return params
+        inside = reasoning.opens_inside(ids, self.markers)
+        return msgspec.structs.replace(params, think_inside=inside)
+
     def _thought(self, params: SamplingParams) -> SamplingParams:
         """A thinking budget gets the model's think markers (one token each, which the
         scheduler counts and forces); a model without them is a 400 naming `think_budget`."""

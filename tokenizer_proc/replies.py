@@ -20,7 +20,6 @@ from tokenizer_proc import (
     openai_api,
     responses_api,
     tool_calls,
-    tool_choice,
 )
 from tokenizer_proc.http_errors import ANTHROPIC_TYPES, STATUS, error_body, status_of
 from tokenizer_proc.reasoning import Markers, ReasoningStream
@@ -61,8 +60,7 @@ class ApiReply:
         """`gen`: the request (its tools, and whether a forced call takes the generic JSON form,
         `tool_choice.generic_form`); `rid`: this reply's, when not `gen`'s (a choice of `n`)."""
         self.rid = rid or gen.rid
-        generic = tool_choice.generic_form(gen, tokenizer)
-        self.tools = tool_calls.for_request(tokenizer, gen.tools, generic)
+        self.tools = tool_calls.for_request(tokenizer, gen)
         self.calls = 0
         self.markers = markers
         self.reasoner: ReasoningStream | None = None

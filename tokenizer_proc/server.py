@@ -33,7 +33,7 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare, reasoning, tool_calls, tool_choice
+from tokenizer_proc import limits, prepare, reasoning, tool_calls
 from tokenizer_proc.admission import INLINE_CHARS, Admission, Admitted, slow_text
 from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
@@ -60,8 +60,6 @@ class TokenizerServer:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        # NOTE: the model's think markers, when its thought is kept apart (`--reasoning-parser`)
-        self.markers = reasoning.markers_of(tokenizer, config.reasoning_parser)
         slots = facts.running_slots or config.max_running_requests
         self.core = FrontDoor(
             door_settings(
@@ -85,6 +83,8 @@ class TokenizerServer:
         self._reply_codec: Codec[tc.ToClient] = Codec(tc.ToClient)
         self._open_sockets(endpoints)
         self.admission = Admission(self.core, config, tokenizer)
+        # NOTE: the model's think markers, when its thought is kept apart (`--reasoning-parser`)
+        self.markers = self.admission.markers
         self.operations = Operations(self.core, self.to_scheduler.put)
 
     def _open_sockets(self, endpoints: Endpoints) -> None:
@@ -313,8 +313,7 @@ class TokenizerServer:
     async def _on_generate(self, client: bytes, msg: tt.Generate) -> None:
         entry = Entry(client, client=self._welcomed.get(client) or _sdk_client(client))
         if isinstance(msg.tools, list):
-            generic = tool_choice.generic_form(msg, self.tokenizer)
-            entry.tools = tool_calls.for_request(self.tokenizer, msg.tools, generic)
+            entry.tools = tool_calls.for_request(self.tokenizer, msg)
         try:
             await self._admit(msg, entry)
         except EngineError as e:
@@ -361,8 +360,7 @@ class TokenizerServer:
 
     def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
         entry.thinking = reasoning.opens_inside(ids, self.markers)
-        if params.think_budget is not None:  # NOTE: its count starts inside a thought or not
-            params = msgspec.structs.replace(params, think_inside=entry.thinking)
+        params = self.admission.for_prompt(params, ids)
         if not self.core.forwarded(msg.rid, entry):
             self._spawn(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return

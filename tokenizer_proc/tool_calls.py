@@ -17,6 +17,8 @@ from typing import Any
 import msgspec
 
 from engine.messages.to_client import Chunk
+from engine.messages.to_tokenizer import Generate
+from tokenizer_proc import tool_choice
 
 log = logging.getLogger("tokenizer")
 
@@ -132,13 +134,11 @@ def split_calls(stream: ToolCallStream | JsonCalls, chunk: Chunk) -> Chunk:
     return msgspec.structs.replace(chunk, text=text, tool_calls=calls)
 
 
-def for_request(
-    tokenizer: Any, tools: list[dict[str, Any]] | None, generic: bool = False
-) -> ToolCallStream | JsonCalls | None:
+def for_request(tokenizer: Any, msg: Generate) -> ToolCallStream | JsonCalls | None:
     """A stream parser when the request has tools: the generic form's when its call is forced
-    so (`generic`, `tool_choice.own_format`), else the model's own when its tokenizer marks
-    tool calls."""
-    if tools and generic:
+    so (`tool_choice.generic_form`), else the model's own when its tokenizer marks tool calls."""
+    tools = msg.tools
+    if tools and tool_choice.generic_form(msg, tokenizer):
         return JsonCalls()
     if not tools or not getattr(tokenizer, "has_tool_calling", False):
         return None
