@@ -109,13 +109,20 @@ def test_retract_with_16_streams_then_continue_equals_an_uninterrupted_run(sdk):
     streams = Streams(sdk, prompts)
     streams.wait_started()
     info = sdk.pause_generation("retract")
-    assert info["paused"] and info["retracted"] > 0, info
-    assert sdk.stats()["running"] == 0
-    assert sdk.health() and not sdk.health_generate()  # NOTE: alive, but generating nothing
-    held = streams.counts()
-    time.sleep(0.5)
-    assert streams.counts() == held  # NOTE: nothing runs while paused
-    assert not sdk.continue_generation()["paused"]
+    try:
+        assert info["paused"] and info["retracted"] > 0, info
+        assert sdk.stats()["running"] == 0
+        assert sdk.health() and not sdk.health_generate()  # NOTE: alive, but generating nothing
+        # NOTE: chunks the scheduler sent before the pause may still be on their way to the
+        # client threads (a loaded CI box delivered one more token to some streams after it)
+        time.sleep(0.5)
+        held = streams.counts()
+        time.sleep(0.5)
+        assert streams.counts() == held  # NOTE: nothing runs while paused
+    finally:
+        # NOTE: continued whatever failed above: a paused engine would fail the module's later
+        # tests too ("the streams did not start")
+        assert not sdk.continue_generation()["paused"]
     streams.join()
     assert streams.finish == ["length"] * STREAMS
     assert streams.tokens == plain.tokens  # NOTE: no token lost, repeated or changed
