@@ -22,6 +22,7 @@ REQUEST_KEYS = frozenset(
         "tool_choice",
         "parallel_tool_calls",
         "chat_template_kwargs",
+        "reasoning_effort",
         "rid",
         "timeout",
     }
@@ -40,7 +41,9 @@ class GenerateOptions(TypedDict, total=False):
     "function", "function": {"name": ...}}` forces a call (arguments held to the tool's schema);
     `parallel_tool_calls=False` allows one. `chat_template_kwargs`: variables for the chat
     template (`{"enable_thinking": False}`). `think_budget`: a thinking model's thought ends
-    after that many tokens (its end marker forced) and the answer follows. `timeout`: seconds
+    after that many tokens (its end marker forced) and the answer follows; `reasoning_effort`
+    (OpenAI's none, minimal, low, medium, high, xhigh) sets such a budget and the template's
+    variable (a model that does not think ignores it). `timeout`: seconds
     for the whole request (None: no deadline); `rid`: the request's id (default: a fresh one),
     for `abort`.
     """
@@ -51,6 +54,7 @@ class GenerateOptions(TypedDict, total=False):
     tool_choice: str | dict[str, Any] | None
     parallel_tool_calls: bool
     chat_template_kwargs: dict[str, Any] | None
+    reasoning_effort: str | None
     rid: str | None
     timeout: float | None
     # NOTE: sampling (engine/sampling_params.py says what each means and its default)
@@ -86,4 +90,5 @@ def generate_message(prompt: str | None, options: GenerateOptions, rid: str) -> 
         tool_choice=options.get("tool_choice"),
         parallel_tool_calls=options.get("parallel_tool_calls", True),
         chat_template_kwargs=options.get("chat_template_kwargs"),
+        reasoning_effort=options.get("reasoning_effort"),
     )

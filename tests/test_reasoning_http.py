@@ -160,3 +160,52 @@ def test_with_the_parser_off_the_thought_stays_in_the_text(tiny_think_model_dir,
         assert status == 400 and "thinking.budget_tokens" in reply["error"]["message"], reply
     finally:
         launched.stop()
+
+
+def test_a_reasoning_effort_sets_the_budget_and_the_templates_switch(engine, oai):
+    """`reasoning_effort` / `reasoning.effort`: `none` renders the template's empty thought;
+    where the request keeps the thought on, `none`'s one-token budget ends it at once; a larger
+    effort's budget is past `max_tokens` and changes nothing; Responses count reasoning tokens."""
+    r = _chat(oai, max_tokens=4, reasoning_effort="none")
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
+    kept_on = {"chat_template_kwargs": {"enable_thinking": True}}
+    r = _chat(oai, max_tokens=20, reasoning_effort="none", extra_body=kept_on)
+    assert (r.choices[0].message.model_extra or {})["reasoning_content"] == "Count"
+    assert r.choices[0].message.content == FINAL
+    r = _chat(oai, max_tokens=20, reasoning_effort="high")
+    assert (r.choices[0].message.model_extra or {})["reasoning_content"] == REASONING
+    resp = oai.responses.create(
+        model="m", input=ASK, max_output_tokens=20, temperature=0.0, reasoning={"effort": "low"}
+    )
+    assert resp.output[0].content[0].text == REASONING and resp.output_text == FINAL
+    assert resp.usage.output_tokens_details.reasoning_tokens == THOUGHT_TOKENS
+    assert resp.reasoning.effort == "low"
+    none = {"model": "m", "input": ASK, "max_output_tokens": 4, "reasoning": {"effort": "none"}}
+    status, body = post_json(engine, "/v1/responses", none)
+    assert status == 200 and [item["type"] for item in body["output"]] == ["message"], body
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_a_bad_reasoning_effort_is_refused_by_name(engine):
+    chat = {"messages": ASK, "reasoning_effort": "max"}
+    status, body = post_json(engine, "/v1/chat/completions", chat)
+    assert status == 400 and body["error"]["param"] == "reasoning_effort", body
+    for bad, param in (({"effort": "max"}, "reasoning.effort"), ({"x": 1}, "reasoning")):
+        status, body = post_json(engine, "/v1/responses", {"input": ASK, "reasoning": bad})
+        assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_a_model_that_does_not_think_takes_any_effort(tiny_model_dir):
+    """Clients send an effort without knowing the model: one without think markers ignores it
+    (the SDK's keyword, through the in-process engine); a misspelt one is still refused."""
+    from engine.client import EngineClient
+    from engine.errors import InvalidRequest
+    from mlx_engine.inprocess import InProcessEngine
+
+    transport = InProcessEngine(str(tiny_model_dir), max_total_tokens=4096)
+    with EngineClient(transport=transport, timeout=30.0) as client:
+        kw = {"messages": ASK, "max_tokens": 3, "temperature": 0.0}
+        plain = client.generate(**kw)
+        assert client.generate(**kw, reasoning_effort="high").token_ids == plain.token_ids
+        with pytest.raises(InvalidRequest, match="reasoning_effort"):
+            client.generate(**kw, reasoning_effort="max")

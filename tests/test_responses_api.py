@@ -141,7 +141,7 @@ def test_a_repeated_input_reports_cached_tokens(client):
             {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
             "text.format",
         ),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
         ({"max_output_tokens": -1}, "max_output_tokens"),
         ({"temperature": "hot"}, "temperature"),
     ],

@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.sampling_params import SamplingParams
-from tokenizer_proc import limits, prepare, reasoning, tool_choice
+from tokenizer_proc import effort, limits, prepare, reasoning, tool_choice
 from tokenizer_proc.core import FrontDoor
 from tokenizer_proc.requests import Entry
 
@@ -54,11 +54,14 @@ class Admission:
             chars = limits.check_generate(msg, self.config, self.core.settings.max_context)
             if msg.tool_choice is not None:
                 tool_choice.force(msg, self.tokenizer)
+            level = effort.check(msg.reasoning_effort)
+            if level is not None and msg.messages is not None:
+                msg.chat_template_kwargs = effort.template_kwargs(level, msg.chat_template_kwargs)
 
         params = self.core.admit(msg, entry, screen)
         try:
             limits.check_stop(params, self.config)
-            params = self._thought(params)
+            params = self._thought(self._effort(params, msg.reasoning_effort))
         except EngineError as e:
             self.core.fail(msg.rid, e)
             raise
@@ -72,13 +75,26 @@ class Admission:
         inside = reasoning.opens_inside(ids, self.markers)
         return msgspec.structs.replace(params, think_inside=inside)
 
+    def _effort(self, params: SamplingParams, level: str | None) -> SamplingParams:
+        """A reasoning effort's budget, for a thinking model (`_thinks`) whose request set none
+        itself; any other model takes the effort and changes nothing."""
+        if level is None or params.think_budget is not None or not self._thinks():
+            return params
+        tokens = effort.budget(level, params.max_tokens)
+        return params if tokens is None else msgspec.structs.replace(params, think_budget=tokens)
+
+    def _thinks(self) -> bool:
+        """Whether the model has the one-token think markers a budget needs."""
+        m = self.markers
+        return m is not None and len(m.start_ids) == 1 and len(m.end_ids) == 1
+
     def _thought(self, params: SamplingParams) -> SamplingParams:
         """A thinking budget gets the model's think markers (one token each, which the
         scheduler counts and forces); a model without them is a 400 naming `think_budget`."""
         if params.think_budget is None:
             return params
         m = self.markers
-        if m is None or len(m.start_ids) != 1 or len(m.end_ids) != 1:
+        if m is None or not self._thinks():
             raise InvalidRequest("think_budget", "needs a thinking model (one-token think markers)")
         ids = {"think_start_id": m.start_ids[0], "think_end_id": m.end_ids[0]}
         return msgspec.structs.replace(params, **ids)

@@ -385,4 +385,8 @@ async def _json_body(request: web.Request, config: EngineConfig) -> Any:
 # engine field -> the Messages API's name for it
 ANTHROPIC_NAMES = {"stop": "stop_sequences", "think_budget": "thinking.budget_tokens"}
 # engine field -> the Responses API's name for it
-RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "json_schema": "text.format"}
+RESPONSES_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "json_schema": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}

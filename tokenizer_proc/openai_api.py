@@ -18,7 +18,7 @@ from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.sampling_params import MAX_TOP_LOGPROBS
-from tokenizer_proc import prepare, tool_choice
+from tokenizer_proc import effort, prepare, tool_choice
 
 # the sampling fields passed to SamplingParams under the same name
 SAMPLING = (
@@ -42,7 +42,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {"logit_bias": ({},)}
 COMMON = {*SAMPLING, *IGNORED, *NEUTRAL, "stream", "stream_options", "max_tokens", "stop"}
 COMMON |= {"response_format", "n"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"}
-CHAT |= {"tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
+CHAT |= {"tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
 COMPLETION = COMMON | {"prompt", "logprobs", "best_of", "echo"}
 # NOTE: each choice (or best_of candidate) is a request: admission counts them all
 MAX_CHOICES = 16
@@ -199,6 +199,7 @@ def _chat_input(gen: tt.Generate, body: dict[str, Any]) -> None:
     gen.messages = [_message(i, m) for i, m in enumerate(messages)]
     if "chat_template_kwargs" in body:
         gen.chat_template_kwargs = prepare.template_kwargs(body["chat_template_kwargs"])
+    gen.reasoning_effort = effort.check(body.get("reasoning_effort"))
     tools = body.get("tools")
     choice = tool_choice.normalize(body.get("tool_choice"))
     gen.parallel_tool_calls = flag(body, "parallel_tool_calls", True)

@@ -289,6 +289,11 @@ class ResponsesReply(_EventReply):
     def _opening(self, first: tc.Chunk) -> bytes:
         return self.events.start()
 
+    def _text(self, chunk: tc.Chunk) -> Piece:
+        piece = super()._text(chunk)
+        self.fmt.reasoning_tokens = self.reasoning_tokens
+        return piece
+
     def _error(self, e: EngineError) -> bytes:
         return _responses_error_event(self.events, e)
 

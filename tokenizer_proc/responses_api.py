@@ -19,7 +19,7 @@ import msgspec
 from engine.errors import InvalidRequest
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import openai_api, prepare, tool_choice
+from tokenizer_proc import effort, openai_api, prepare, tool_choice
 
 # accepted fields that change nothing here: identity, routing and cache hints, and `store`
 # (nothing is kept: every request carries its whole input)
@@ -52,6 +52,7 @@ FIELDS = {
     "tool_choice",
     "parallel_tool_calls",
     "text",
+    "reasoning",
 }
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -90,6 +91,7 @@ def parse(body: Any, rid: str, model: str, max_context: int) -> Request:
     gen.tools = tools if tools and choice != "none" else None
     gen.tool_choice = tool_choice.wire(choice)
     gen.parallel_tool_calls = openai_api.flag(body, "parallel_tool_calls", True)
+    gen.reasoning_effort = _effort(body.get("reasoning"))
     echo = {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -100,8 +102,25 @@ def parse(body: Any, rid: str, model: str, max_context: int) -> Request:
         "tools": body.get("tools", []),
         "metadata": body.get("metadata", {}),
         "text": {"format": {"type": "text"}, **body.get("text", {})},
+        "reasoning": {"effort": gen.reasoning_effort, "summary": None},
     }
     return Request(gen, str(body.get("model") or model), stream, echo)
+
+
+SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _effort(reasoning: Any) -> str | None:
+    """`reasoning: {effort, summary}`: the effort as the chat route's `reasoning_effort`; a
+    summary is accepted and the thought comes back whole (there is no summarizer)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"}:
+        raise InvalidRequest("reasoning", "must be {effort, summary}")
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise InvalidRequest("reasoning.summary", f"must be one of {', '.join(SUMMARIES)}")
+    return effort.check(reasoning.get("effort"), "reasoning.effort")
 
 
 def _text_format(text: Any, params: dict[str, Any]) -> None:
@@ -202,12 +221,13 @@ def _tool(j: int, t: Any) -> dict[str, Any]:
 # --- responses ----------------------------------------------------------------------------------
 
 
-def usage(final: tc.Chunk) -> dict[str, Any]:
+def usage(final: tc.Chunk, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """`reasoning_tokens`: of the output's, those of the model's thought."""
     return {
         "input_tokens": final.prompt_tokens,
         "input_tokens_details": {"cached_tokens": final.cached_tokens},
         "output_tokens": final.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
     }
 
@@ -220,6 +240,7 @@ class Formatter:
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
         self.created = int(time.time())
+        self.reasoning_tokens = 0  # NOTE: counted by the reply as its chunks are split
 
     def response(self, output: list[dict[str, Any]], final: tc.Chunk | None) -> dict[str, Any]:
         status, incomplete = "in_progress", None
@@ -236,7 +257,7 @@ class Formatter:
             "model": self.req.model,
             "output": output,
             "truncation": "disabled",
-            "usage": usage(final) if final is not None else None,
+            "usage": usage(final, self.reasoning_tokens) if final is not None else None,
             **self.req.echo,
         }
 

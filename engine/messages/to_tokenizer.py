@@ -44,6 +44,9 @@ class Generate(Message):
     # NOTE: extra variables for the chat template (vLLM's and SGLang's field), e.g.
     # {"enable_thinking": false} (tokenizer_proc/prepare.py)
     chat_template_kwargs: dict[str, Any] | None = None
+    # NOTE: OpenAI's reasoning effort (none, minimal, low, medium, high, xhigh): a thinking
+    # model's budget and the template's variable (tokenizer_proc/effort.py)
+    reasoning_effort: str | None = None
 
 
 class AbortRequest(Message):
