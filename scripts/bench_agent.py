@@ -2,14 +2,16 @@
 client: a long system prompt (~`--system-tokens` tokens of instructions and three tool specs),
 then `--turns` streamed turns, each after the first carrying the assistant's last reply, a
 `tool_use` block and its `tool_result`, as a coding agent's loop does. Per turn: time to the first
-text delta, input tokens, and the tokens read from the prefix cache.
+event (the first token), input tokens, the tokens read from the prefix cache, and the model's `tool_use`
+blocks, each input checked against its tool's schema (`jsonschema`).
 
 It starts `mlx-engine launch` (launch defaults, `--model`) unless `--url` names a running server.
-With `--tools` the tools go in the request's `tools` (the model's template must take them);
-without, they are described in the system prompt (the default model's template has no tools).
+With `--tools` the tools go in the request's `tools`, and `--force` says on which turns
+`tool_choice` is `any` (a forced call, held to the tool's schema; default: the first turn's);
+without, they are described in the system prompt.
 
-  .venv/bin/python scripts/bench_agent.py                          # the default model, CPU
-  python3 scripts/bench_agent.py --model /tmp/llama1b --tools      # a GPU, a tool-calling model
+  .venv/bin/python scripts/bench_agent.py --tools                  # the default model, CPU
+  python3 scripts/bench_agent.py --model /tmp/llama1b --tools      # a GPU
 """
 
 from __future__ import annotations
@@ -23,18 +25,35 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
+def _schema(required: dict[str, dict], optional: dict[str, dict] | None = None) -> dict:
+    return {
+        "type": "object",
+        "properties": {**required, **(optional or {})},
+        "required": list(required),
+        "additionalProperties": False,
+    }
+
+
+STRING = {"type": "string"}
 TOOLS = [
     {
-        "name": name,
-        "description": f"{name.replace('_', ' ')}: {desc}",
-        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
-    }
-    for name, desc in (
-        ("read_file", "read a file of the repository and return its text"),
-        ("run_tests", "run the test suite, or one test file, and return the failures"),
-        ("edit_file", "replace one exact string in a file with another"),
-    )
+        "name": "read_file",
+        "description": "Read a file of the repository and return its text.",
+        "input_schema": _schema({"path": STRING}, {"start_line": {"type": "integer"}}),
+    },
+    {
+        "name": "run_tests",
+        "description": "Run the test suite, or one test file, and return the failures.",
+        "input_schema": _schema({"path": STRING}, {"verbose": {"type": "boolean"}}),
+    },
+    {
+        "name": "edit_file",
+        "description": "Replace one exact string in a file with another.",
+        "input_schema": _schema({"path": STRING, "old": STRING, "new": STRING}),
+    },
 ]
+SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +64,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--tools", action="store_true", help="send the tools as the request's tools")
+    p.add_argument(
+        "--force",
+        choices=("first", "every", "never"),
+        default="first",
+        help="the turns whose tool_choice is any (with --tools)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -59,8 +84,14 @@ def system_prompt(words: int, rng: random.Random, tools_inline: bool) -> str:
     return text
 
 
-def turn(client, system: str, messages: list, args: argparse.Namespace) -> tuple[dict, str]:
-    extra = {"tools": TOOLS} if args.tools else {}
+def forced(i: int, args: argparse.Namespace) -> bool:
+    return args.tools and (args.force == "every" or (args.force == "first" and i == 0))
+
+
+def turn(client, system: str, messages: list, args: argparse.Namespace, i: int) -> tuple:
+    extra: dict = {"tools": TOOLS} if args.tools else {}
+    if forced(i, args):
+        extra["tool_choice"] = {"type": "any"}
     t0 = time.perf_counter()
     first = None
     with client.messages.stream(
@@ -71,18 +102,35 @@ def turn(client, system: str, messages: list, args: argparse.Namespace) -> tuple
         extra_body={"temperature": 0.0, "ignore_eos": True},
         **extra,
     ) as stream:
-        for _ in stream.text_stream:
+        # NOTE: the server sends nothing before the first token, so the first event times it
+        # (a turn that only calls a tool has no text delta)
+        for _ in stream:
             first = first or time.perf_counter()
         final = stream.get_final_message()
     text = "".join(b.text for b in final.content if b.type == "text")
+    uses = [b for b in final.content if b.type == "tool_use"]
     u = final.usage
     ttft = ((first or time.perf_counter()) - t0) * 1e3
     row = {
         "ttft_ms": round(ttft),
         "input": u.input_tokens + u.cache_read_input_tokens,
         "cached": u.cache_read_input_tokens,
+        "tool_use": [f"{b.name}({json.dumps(b.input)})" for b in uses],
+        "invalid": [b.name for b in uses if not valid(b.name, b.input)],
     }
-    return row, text
+    return row, text, uses
+
+
+def valid(name: str, args: object) -> bool:
+    import jsonschema
+
+    if name not in SCHEMAS:
+        return False
+    try:
+        jsonschema.validate(args, SCHEMAS[name])
+    except jsonschema.ValidationError:
+        return False
+    return True
 
 
 def conversation(client, args: argparse.Namespace) -> list[dict]:
@@ -92,13 +140,20 @@ def conversation(client, args: argparse.Namespace) -> list[dict]:
     messages: list = [{"role": "user", "content": "Fix the failing test in tests/test_x.py."}]
     rows = []
     for i in range(args.turns):
-        row, text = turn(client, system, messages, args)
+        row, text, uses = turn(client, system, messages, args, i)
         rows.append(row)
-        tool = TOOLS[i % len(TOOLS)]["name"]
-        use = {"type": "tool_use", "id": f"toolu_{i}", "name": tool, "input": {"path": "x.py"}}
-        result = {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": f"ok {i} " * 20}
+        # NOTE: the model's own call goes back into the history when it made one
+        if uses and not row["invalid"]:
+            use = {"type": "tool_use", "id": uses[0].id, "name": uses[0].name}
+            use["input"] = uses[0].input
+        else:
+            tool = TOOLS[i % len(TOOLS)]["name"]
+            use = {"type": "tool_use", "id": f"toolu_{i}", "name": tool}
+            use["input"] = {"path": "x.py"}
+        result = {"type": "tool_result", "tool_use_id": use["id"], "content": f"ok {i} " * 20}
+        content = ([{"type": "text", "text": text}] if text else []) + [use]
         messages += [
-            {"role": "assistant", "content": [{"type": "text", "text": text or "."}, use]},
+            {"role": "assistant", "content": content},
             {"role": "user", "content": [result]},
         ]
     return rows
@@ -126,6 +181,12 @@ def main() -> None:
         worst = max(r["ttft_ms"] for r in later) / max(1, rows[0]["ttft_ms"])
         cached = all(r["cached"] > 0 for r in later)
         print(f"later turns: TTFT at most {worst:.2f}x the first's; every one cached: {cached}")
+    calls = sum(len(r["tool_use"]) for r in rows)
+    bad = sum(len(r["invalid"]) for r in rows)
+    print(f"tool_use blocks: {calls}, failing their schema: {bad}")
+    missing = [i + 1 for i, r in enumerate(rows) if forced(i, args) and not r["tool_use"]]
+    if bad or missing:
+        sys.exit(f"forced turns without a call: {missing}; calls failing their schema: {bad}")
 
 
 if __name__ == "__main__":
