@@ -1,9 +1,9 @@
 """An agent-shaped conversation through Anthropic's Messages API and the official `anthropic`
 client: a long system prompt (~`--system-tokens` tokens of instructions and three tool specs),
 then `--turns` streamed turns, each after the first carrying the assistant's last reply, a
-`tool_use` block and its `tool_result`, as a coding agent's loop does. Per turn: time to the first
-event (the first token), input tokens, the tokens read from the prefix cache, and the model's `tool_use`
-blocks, each input checked against its tool's schema (`jsonschema`).
+`tool_use` block and its `tool_result`, as a coding agent's loop does. Per turn: time to the
+first event (the first token), input tokens, the tokens read from the prefix cache, and the
+model's `tool_use` blocks, each input checked against its tool's schema (`jsonschema`).
 
 It starts `mlx-engine launch` (launch defaults, `--model`) unless `--url` names a running server.
 With `--tools` the tools go in the request's `tools`, and `--force` says on which turns
