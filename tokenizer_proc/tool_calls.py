@@ -3,7 +3,9 @@ markers (mlx-lm's `TokenizerWrapper.tool_call_start` / `tool_call_end`) is parse
 tool parser (`tool_parser`) into OpenAI `tool_calls`; everything else stays content.
 
 Pure and incremental: `feed()` each text delta, `finish()` at the end. Text that could still be
-the start of a marker is held back, as the detokenizer holds back stop strings.
+the start of a marker is held back, as the detokenizer holds back stop strings. A format without
+an end marker (mlx-lm's mistral: `tool_call_end` is "") has its calls run to the end of the
+output, parsed at `finish()`. A call the parser refuses comes back as the model's text.
 """
 
 from __future__ import annotations
@@ -38,11 +40,14 @@ class ToolCallStream:
         content, calls = "", list[dict[str, Any]]()
         while True:
             if self._inside:
-                at = self._buf.find(self.end)
+                # NOTE: an empty end would match at once; such a call runs to the output's end
+                at = self._buf.find(self.end) if self.end else -1
                 if at < 0:
                     return content, calls
-                calls += self._parse(self._buf[:at])
-                self._buf = self._buf[at + len(self.end) :]
+                body, self._buf = self._buf[:at], self._buf[at + len(self.end) :]
+                parsed = self._parse(body)
+                calls += parsed
+                content += "" if parsed else self.start + body + self.end
                 self._inside = False
                 continue
             at = self._buf.find(self.start)
@@ -61,34 +66,42 @@ class ToolCallStream:
         if not self._inside:
             return rest, []
         self._inside = False
-        calls = self._parse(rest, quiet=True)
+        # NOTE: without an end marker this is where every call is parsed; with one, the call was
+        # cut short (max_tokens), and failing to parse is expected
+        calls = self._parse(rest, quiet=bool(self.end))
         return ("", calls) if calls else (self.start + rest, [])
 
     def _parse(self, text: str, quiet: bool = False) -> list[dict[str, Any]]:
+        """The calls in one call's text; none when the parser refuses it.
+
+        NOTE: any exception is a refusal: mlx-lm's parsers raise more than ValueError (longcat
+        an AttributeError on a body without its keys, qwen3_coder an OverflowError on an integer
+        past a float's range), and a model's output must never fail its reply."""
         try:
             parsed = self.parser(text, self.tools)
-        except (ValueError, KeyError, TypeError) as e:
+            found = parsed if isinstance(parsed, list) else [parsed]
+            out = [_openai_call(c["name"], c.get("arguments", {}), 0, c.get("id")) for c in found]
+        except Exception as e:
             if not quiet:
                 log.warning("unparsable tool call (%s: %s): %.200r", type(e).__name__, e, text)
             return []
-        out = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            out.append(self._format(call))
+        for call in out:
+            call["index"], self.calls = self.calls, self.calls + 1
         return out
 
-    def _format(self, call: dict[str, Any]) -> dict[str, Any]:
-        self.calls += 1
-        return _openai_call(call["name"], call.get("arguments", {}), self.calls - 1, call.get("id"))
 
-
-def _openai_call(name: str, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
+def _openai_call(name: Any, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
+    """A parsed call in OpenAI's form; ValueError when it cannot be one (a name that is not a
+    string, arguments with a number JSON cannot hold: Python reads `1e400` as inf)."""
+    if not isinstance(name, str):
+        raise ValueError(f"a tool call's name must be a string, got {name!r}")
     return {
         "index": index,
         "id": ident or f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
         "function": {
             "name": name,
-            "arguments": args if isinstance(args, str) else json.dumps(args),
+            "arguments": args if isinstance(args, str) else json.dumps(args, allow_nan=False),
         },
     }
 
