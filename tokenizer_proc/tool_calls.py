@@ -80,7 +80,7 @@ class ToolCallStream:
         try:
             parsed = self.parser(text, self.tools)
             found = parsed if isinstance(parsed, list) else [parsed]
-            out = [_openai_call(c["name"], c.get("arguments", {}), 0, c.get("id")) for c in found]
+            out = [openai_call(c["name"], c.get("arguments", {}), 0, c.get("id")) for c in found]
         except Exception as e:
             if not quiet:
                 log.warning("unparsable tool call (%s: %s): %.200r", type(e).__name__, e, text)
@@ -90,7 +90,7 @@ class ToolCallStream:
         return out
 
 
-def _openai_call(name: Any, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
+def openai_call(name: Any, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
     """A parsed call in OpenAI's form; ValueError when it cannot be one (a name that is not a
     string, arguments with a number JSON cannot hold: Python reads `1e400` as inf)."""
     if not isinstance(name, str):
@@ -123,7 +123,7 @@ class JsonCalls:
         text, self._buf = "".join(self._buf), []
         try:
             parsed = json.loads(text)
-            calls = [_openai_call(c["name"], c["parameters"], i) for i, c in enumerate(parsed)]
+            calls = [openai_call(c["name"], c["parameters"], i) for i, c in enumerate(parsed)]
         except (ValueError, KeyError, TypeError):
             return text, []
         self.calls = len(calls)
