@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from engine import safetensors_check
 from engine.config import ADAPTER_FILES, EngineConfig
 from engine.errors import EngineError, InvalidRequest
 
@@ -69,10 +70,12 @@ def _load_lazily(model_path: str, config: EngineConfig) -> nn.Module:
 
     try:
         model_dir = resolve_model_dir(model_path)
+        # NOTE: a damaged file is named with what is wrong (engine/safetensors_check.py)
+        safetensors_check.check_dir(Path(model_dir))
         new, _ = load_model(model_dir, lazy=True)
     except EngineError as e:
         raise InvalidRequest("model_path", str(e)) from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # NOTE: MLX's are RuntimeErrors
         raise InvalidRequest("model_path", f"{model_path}: cannot load: {e}") from None
     return maybe_dequantize(new, config)
 
@@ -103,8 +106,9 @@ def load_adapter(model: nn.Module, path: str) -> int:
 
     before = dict(model.named_modules())
     try:
+        safetensors_check.check_dir(directory)
         load_adapters(model, str(directory))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         remove_adapter(model)
         raise InvalidRequest("lora_path", f"{path}: cannot load the adapter: {e}") from None
     after = dict(model.named_modules())

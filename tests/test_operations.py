@@ -241,6 +241,47 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_keep_serving(
     assert d.admin.weights_version == 0 and d.sched.seating
 
 
+def _damaged(src: Path, dst: Path, damage: str) -> Path:
+    """A copy of the directory `src` with its safetensors file(s) truncated to half, or their
+    header's JSON corrupted."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for path in dst.glob("*.safetensors"):
+        data = path.read_bytes()
+        if damage == "truncated":
+            path.write_bytes(data[: len(data) // 2])
+        else:
+            path.write_bytes(data[:8] + b"{not json" + data[17:])
+    return dst
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt header"])
+def test_damaged_weights_and_adapters_are_a_400_naming_the_file(
+    tiny_weights_dir, tmp_path, prompts, damage
+):
+    """A damaged file the engine reads on request is the request's error (a 400 naming the
+    field and the file), never a 500 (MLX's RuntimeError was one); the model is unchanged and
+    serves on."""
+    d = Driven(make_scheduler(_fresh_model(tiny_weights_dir)), tiny_weights_dir)
+    second = make_random_model(tmp_path / "second", TINY_LLAMA, seed=1)
+    d.operate(ops.UpdateWeights(str(_damaged(second, tmp_path / "w", damage))), "w")
+    failure = d.answer("w").failure
+    assert failure is not None and failure.kind == "invalid_request", failure
+    assert failure.field == "model_path" and "model.safetensors" in failure.message, failure
+    adapter = make_adapter(tmp_path / "lora", tiny_weights_dir)
+    d.operate(ops.LoadAdapter(str(_damaged(adapter, tmp_path / "a", damage))), "a")
+    failure = d.answer("a").failure
+    assert failure is not None and failure.kind == "invalid_request", failure
+    assert failure.field == "lora_path" and "adapters.safetensors" in failure.message, failure
+    assert not _has_lora(d.sched)
+    d.submit("r0", prompts[0])
+    d.finish()
+    want = reference_greedy(tiny_model(tiny_weights_dir), prompts[0], N_TOKENS)
+    assert tokens(d.outs["r0"]) == want
+    assert d.admin.weights_version == 0
+
+
 def _reference_with_adapter(base_dir: Path, adapter: Path, prompt: list[int]) -> list[int]:
     from mlx_lm.tuner.utils import load_adapters
 
