@@ -231,7 +231,7 @@ class InProcessEngine:
         # NOTE: the entry names no client (no fair share): every caller of this engine is one.
         entry = Entry(owner)
         if isinstance(msg.tools, list):
-            entry.tools = tool_calls.for_request(self.tokenizer, msg)
+            entry.tools = self.admission.tool_parser(msg)
         try:
             admitted = self.admission.admit(msg, entry)
         except EngineError as e:

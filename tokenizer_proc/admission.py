@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.sampling_params import SamplingParams
-from tokenizer_proc import effort, limits, prepare, reasoning, tool_choice
+from tokenizer_proc import effort, harmony, limits, prepare, reasoning, tool_choice
 from tokenizer_proc.core import FrontDoor
 from tokenizer_proc.requests import Entry
 
@@ -66,6 +66,12 @@ class Admission:
             self.core.fail(msg.rid, e)
             raise
         return Admitted(params, chars)
+
+    def tool_parser(self, msg: Generate) -> Any:
+        """An SDK request's tool-call parser (`tool_calls.split_calls`), harmony's when the model
+        speaks it (`harmony.for_sdk`)."""
+        speaks = self.markers is not None and self.markers.harmony
+        return harmony.for_sdk(self.tokenizer, msg, speaks)
 
     def for_prompt(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """The params the scheduler gets for this prompt: a thinking budget's count starts

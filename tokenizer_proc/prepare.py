@@ -11,6 +11,7 @@ from typing import Any
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.prompt_check import check_prompt
+from tokenizer_proc import harmony
 from tokenizer_proc.tool_choice import check_tools, generic_form
 
 SOURCES = ("prompt", "messages", "input_ids")
@@ -132,7 +133,9 @@ def _from_messages(
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise InvalidRequest(f"messages[{i}].{key}", "must be a string")
-    if tools and not getattr(tokenizer, "has_tool_calling", False):
+    # NOTE: a harmony template writes tools too (mlx-lm has no parser of its calls: the engine
+    # parses them, tokenizer_proc/harmony.py)
+    if tools and not (_renders_tools(tokenizer) or harmony.speaks(tokenizer)):
         raise InvalidRequest("tools", "this model's chat template has no tool calling")
     extra = {**(template or {}), **({"tools": tools} if tools else {})}
     try:

@@ -4,7 +4,9 @@ Text between the model's think markers (`<think>` / `</think>` and the others ml
 from the vocabulary: `TokenizerWrapper.think_start` / `think_end`) is reasoning; the rest is the
 answer, which the tool-call parser then reads. A chat template may open the thought itself (the
 generation prompt ends with the start marker: DeepSeek-R1, Qwen3's thinking-only models), so the
-stream starts inside it when the prompt's last marker is a start (`opens_inside`).
+stream starts inside it when the prompt's last marker is a start (`opens_inside`). A model that
+speaks gpt-oss's harmony format has channels instead (tokenizer_proc/harmony.py): its markers
+say so (`Markers.harmony`), and its analysis channel is what `opens_inside` looks for.
 
 Pure and incremental like `tool_calls.ToolCallStream`: `feed()` each text delta, `finish()` at
 the end; text that could still be the start of a marker is held back.
@@ -16,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenizer_proc import harmony
 from tokenizer_proc.tool_calls import partial_suffix
 
-PARSERS = ("auto", "none")
+PARSERS = ("auto", "harmony", "none")
 
 
 @dataclass(frozen=True)
@@ -29,18 +32,32 @@ class Markers:
     end: str
     start_ids: tuple[int, ...]
     end_ids: tuple[int, ...]
+    harmony: bool = False  # NOTE: the model speaks harmony: its replies are parsed by channel
 
 
 def markers_of(tokenizer: Any, parser: str) -> Markers | None:
-    """The model's think markers under `--reasoning-parser`: auto (the tokenizer's, when it has
-    them), none (reasoning stays in the answer's text)."""
-    if parser == "none" or not getattr(tokenizer, "has_thinking", False):
+    """The model's think markers under `--reasoning-parser`: auto (harmony's when the model
+    speaks it, else the tokenizer's, when it has them), harmony, none (reasoning stays in the
+    answer's text)."""
+    if parser == "none" or tokenizer is None:
+        return None
+    if parser == "harmony" or (parser == "auto" and harmony.speaks(tokenizer)):
+        return _harmony_markers(tokenizer)
+    if not getattr(tokenizer, "has_thinking", False):
         return None
     start, end = tokenizer.think_start, tokenizer.think_end
     start_ids, end_ids = tokenizer.think_start_tokens, tokenizer.think_end_tokens
     if not (start and end and start_ids and end_ids):
         return None
     return Markers(start, end, tuple(start_ids), tuple(end_ids))
+
+
+def _harmony_markers(tokenizer: Any) -> Markers:
+    """Harmony's analysis message as think markers: its header opens the thought, `<|end|>`
+    ends it (as a prompt is searched for them; the reply itself is parsed by channel)."""
+    start, end = harmony.ANALYSIS, harmony.END
+    ids = [tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (start, end)]
+    return Markers(start, end, ids[0], ids[1], harmony=True)
 
 
 # NOTE: a template opens the thought at the very end of its generation prompt; only that far back

@@ -21,6 +21,7 @@ from tokenizer_proc import (
     responses_api,
     tool_calls,
 )
+from tokenizer_proc.harmony import HarmonyStream
 from tokenizer_proc.http_errors import ANTHROPIC_TYPES, STATUS, error_body, status_of
 from tokenizer_proc.reasoning import Markers, ReasoningStream
 from tokenizer_proc.requests import Entry
@@ -61,16 +62,24 @@ class ApiReply:
         `tool_choice.generic_form`); `rid`: this reply's, when not `gen`'s (a choice of `n`)."""
         self.rid = rid or gen.rid
         self.tools = tool_calls.for_request(tokenizer, gen)
+        self.offered = bool(gen.tools)
         self.calls = 0
         self.markers = markers
         self.reasoner: ReasoningStream | None = None
+        self.harmony: HarmonyStream | None = None
         self.reasoning_tokens = 0
 
     def begin(self, entry: Entry) -> None:
         """Before its first chunk: the reasoning split starts inside a thought when the prompt
-        opened one (`Entry.thinking`)."""
-        if self.markers is not None:
-            self.reasoner = ReasoningStream(self.markers, entry.thinking)
+        opened one (`Entry.thinking`). A model that speaks harmony has its reply parsed by
+        channel instead, reasoning and tool calls at once, unless a forced call holds the reply
+        to the generic JSON form."""
+        m = self.markers
+        if m is not None and m.harmony:
+            if not isinstance(self.tools, tool_calls.JsonCalls):
+                self.harmony = HarmonyStream(entry.thinking, self.offered)
+        elif m is not None:
+            self.reasoner = ReasoningStream(m, entry.thinking)
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         raise NotImplementedError
@@ -132,6 +141,8 @@ class ApiReply:
     def _text(self, chunk: tc.Chunk) -> Piece:
         """The chunk's answer, reasoning and tool calls (both parsers hold back marker text);
         a chunk with reasoning in it, or a marker, counts its tokens as reasoning tokens."""
+        if self.harmony is not None:
+            return self._channels(self.harmony, chunk)
         text, reasoning, end = chunk.text, "", chunk.finish_reason is not None
         if self.reasoner is not None:
             inside = self.reasoner.inside
@@ -149,6 +160,16 @@ class ApiReply:
             text, calls = text + rest, calls + more_calls
         self.calls += len(calls)
         return Piece(text, reasoning, calls)
+
+    def _channels(self, stream: HarmonyStream, chunk: tc.Chunk) -> Piece:
+        """A harmony reply's chunk, parsed by channel (`HarmonyStream` counts its reasoning
+        tokens)."""
+        parts = stream.feed(chunk.text, len(chunk.token_ids))
+        if chunk.finish_reason is not None:
+            parts = parts.then(stream.finish())
+        self.reasoning_tokens = stream.reasoning_tokens
+        self.calls += len(parts.calls)
+        return Piece(parts.answer, parts.reasoning, parts.calls)
 
 
 class Reply(ApiReply):

@@ -313,7 +313,7 @@ class TokenizerServer:
     async def _on_generate(self, client: bytes, msg: tt.Generate) -> None:
         entry = Entry(client, client=self._welcomed.get(client) or _sdk_client(client))
         if isinstance(msg.tools, list):
-            entry.tools = tool_calls.for_request(self.tokenizer, msg)
+            entry.tools = self.admission.tool_parser(msg)
         try:
             await self._admit(msg, entry)
         except EngineError as e:
