@@ -29,6 +29,7 @@ class StreamChunk:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # completed in this delta
     # NOTE: with `prompt_logprobs`, on the first delta: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    reasoning: str = ""  # a thinking model's thought (chats), out of `text`
 
     @classmethod
     def from_wire(cls, c: Chunk) -> StreamChunk:
@@ -44,6 +45,7 @@ class StreamChunk:
             c.error,
             c.tool_calls,
             c.prompt_logprobs,
+            c.reasoning,
         )
 
 
@@ -58,10 +60,12 @@ class GenerateResult:
     error: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    reasoning: str = ""  # a thinking model's thought (chats), out of `text`
 
     def add(self, chunk: StreamChunk) -> None:
         self.prompt_logprobs += chunk.prompt_logprobs
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
         self.tool_calls += chunk.tool_calls
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs

@@ -22,7 +22,7 @@ from engine.messages import to_tokenizer as tt
 from engine.transport import Sink, encode_request, register_sink
 from engine.wire_errors import to_failure
 from scheduler_proc.loop_rules import IdleClock
-from tokenizer_proc import limits, tool_calls
+from tokenizer_proc import limits
 from tokenizer_proc.admission import Admission
 from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.requests import Entry
@@ -230,9 +230,8 @@ class InProcessEngine:
     def _generate(self, msg: tt.Generate, owner: str | None) -> None:
         # NOTE: the entry names no client (no fair share): every caller of this engine is one.
         entry = Entry(owner)
-        if isinstance(msg.tools, list):
-            entry.tools = self.admission.tool_parser(msg)
         try:
+            entry.split = self.admission.splitter(msg)  # NOTE: a bad tool_choice raises here
             admitted = self.admission.admit(msg, entry)
         except EngineError as e:
             self._reply(to_failure(msg.rid, e))
@@ -241,6 +240,8 @@ class InProcessEngine:
         try:
             ids = self.admission.token_ids(msg, params)
             params = self.admission.for_prompt(params, ids)
+            if entry.split is not None:
+                entry.split.begin(self.admission.opens_inside(ids))
             self.sched.submit(msg.rid, ids, params, checked=True)
         except Exception as e:  # NOTE: as in the scheduler process: one bad request fails alone
             self._reply(to_failure(msg.rid, self.admission.fail(msg.rid, e)))
@@ -255,8 +256,8 @@ class InProcessEngine:
         for chunk in chunks:
             entry = self.core.on_chunk(chunk)
             if entry is not None:
-                tools = entry.tools
-                self._reply(chunk if tools is None else tool_calls.split_calls(tools, chunk))
+                split = entry.split
+                self._reply(chunk if split is None else split.sdk_chunk(chunk))
 
     # --- health generation ----------------------------------------------------------------------
 

@@ -26,16 +26,19 @@ from harmony_model import (
 from detokenizer_proc.detokenizer import Detokenizer
 from engine.client import EngineClient
 from engine.messages.to_client import Chunk
+from engine.messages.to_tokenizer import Generate
 from engine.tokenizer_loader import load_tokenizer
 from tokenizer_proc.harmony import (
+    ANALYSIS,
+    END,
     HarmonyStream,
     Header,
     Parts,
-    SdkCalls,
     parse_header,
     speaks,
 )
 from tokenizer_proc.reasoning import Markers, markers_of, opens_inside
+from tokenizer_proc.reply_split import for_sdk
 
 ANSWER = (
     "<|channel|>analysis<|message|>User asks 2+2. Simple: 4.<|end|>"
@@ -195,13 +198,19 @@ def test_reasoning_tokens_are_the_analysis_messages():
     assert stream.reasoning_tokens == 6
 
 
-def test_the_sdk_keeps_the_text_less_its_calls():
-    sdk = SdkCalls()
-    text, calls = sdk.feed(CALL[:40])
-    more, more_calls = sdk.feed(CALL[40:])
-    rest, last = sdk.finish()
-    assert text + more + rest == "<|channel|>analysis<|message|>Need get_weather.<|end|>"
-    assert [c["function"]["name"] for c in calls + more_calls + last] == ["get_weather"]
+def test_the_sdk_gets_the_split_of_the_chat_route():
+    """An SDK chat's chunks: the thought in `reasoning`, the answer in `text`, the calls in
+    `tool_calls` (`reply_split.for_sdk`), a marker cut between chunks held back."""
+    gen = Generate("r", messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    markers = Markers(ANALYSIS, END, (1,), (2,), harmony=True)
+    split = for_sdk(gen, SimpleNamespace(has_tool_calling=False), markers)
+    assert split is not None
+    split.begin(False)
+    first = split.sdk_chunk(Chunk("r", text=CALL[:40], token_ids=[0]))
+    last = split.sdk_chunk(Chunk("r", text=CALL[40:], token_ids=[0], finish_reason="stop"))
+    assert first.reasoning + last.reasoning == "Need get_weather."
+    assert first.text + last.text == ""
+    assert [c["function"]["name"] for c in first.tool_calls + last.tool_calls] == ["get_weather"]
 
 
 def _tokenizer(vocab: dict[str, int], template: str | None) -> SimpleNamespace:
@@ -345,4 +354,4 @@ def test_a_harmony_tool_call_comes_back_structured(call_engine):
     with EngineClient(call_engine.address, timeout=30.0) as sdk:
         out = sdk.generate(messages=ASK, tools=WEATHER, max_tokens=40, temperature=0.0)
     assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather"]
-    assert out.text == f"{CALL_THOUGHT}<|end|>"  # NOTE: the SDK's text: as written, less the call
+    assert (out.reasoning, out.text) == (CALL_THOUGHT, "")  # NOTE: as the chat route splits it

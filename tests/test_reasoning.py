@@ -121,4 +121,35 @@ def test_the_in_process_engine_counts_a_thought_the_prompt_opened(tiny_think_mod
             temperature=0.0,
             think_budget=2,
         )
-    assert r.text == f"Count apples</think>{FINAL}", r.text
+    assert (r.reasoning, r.text) == ("Count apples", FINAL), r
+
+
+def test_sdk_chats_have_their_thought_apart_as_the_chat_route(tiny_think_model_dir):
+    """An SDK chat's thought comes in `reasoning`, out of `text` (whole and streamed, a marker
+    cut between chunks held back); `--reasoning-parser none` and prompts that are no chat keep
+    the text as written."""
+    from think_model import FINAL, REASONING
+
+    from engine.client import EngineClient
+    from engine.tokenizer_loader import load_tokenizer
+    from mlx_engine.inprocess import InProcessEngine
+
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "temperature": 0.0}
+    transport = InProcessEngine(str(tiny_think_model_dir), max_total_tokens=4096)
+    with EngineClient(transport=transport, timeout=30.0) as client:
+        r = client.generate(**ask)
+        assert (r.reasoning, r.text) == (REASONING, FINAL), r
+        chunks = list(client.stream(**ask))
+        assert "".join(c.reasoning for c in chunks) == REASONING
+        assert "".join(c.text for c in chunks) == FINAL
+        ids = load_tokenizer(tiny_think_model_dir).apply_chat_template(
+            ask["messages"], add_generation_prompt=True
+        )
+        plain = client.generate(input_ids=ids, max_tokens=20, temperature=0.0)
+        assert (plain.reasoning, plain.text) == ("", f"{REASONING}</think>{FINAL}")
+    transport = InProcessEngine(
+        str(tiny_think_model_dir), max_total_tokens=4096, reasoning_parser="none"
+    )
+    with EngineClient(transport=transport, timeout=30.0) as client:
+        r = client.generate(**ask)
+        assert (r.reasoning, r.text) == ("", f"{REASONING}</think>{FINAL}"), r

@@ -23,8 +23,9 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.sampling_params import SamplingParams
-from tokenizer_proc import effort, harmony, limits, prepare, reasoning, tool_choice
+from tokenizer_proc import effort, limits, prepare, reasoning, reply_split, tool_choice
 from tokenizer_proc.core import FrontDoor
+from tokenizer_proc.reply_split import ReplySplit
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer")
@@ -67,11 +68,17 @@ class Admission:
             raise
         return Admitted(params, chars)
 
-    def tool_parser(self, msg: Generate) -> Any:
-        """An SDK request's tool-call parser (`tool_calls.split_calls`), harmony's when the model
-        speaks it (`harmony.for_sdk`)."""
-        speaks = self.markers is not None and self.markers.harmony
-        return harmony.for_sdk(self.tokenizer, msg, speaks)
+    def splitter(self, msg: Generate) -> ReplySplit | None:
+        """An SDK request's reasoning and tool-call split (`reply_split.for_sdk`); `begin` it
+        with `opens_inside` once the prompt is known."""
+        # NOTE: tools that are no list are refused by `admit`, named
+        if self.tokenizer is None or (msg.tools is not None and not isinstance(msg.tools, list)):
+            return None
+        return reply_split.for_sdk(msg, self.tokenizer, self.markers)
+
+    def opens_inside(self, ids: list[int]) -> bool:
+        """Whether the prompt `ids` left the model inside a thought."""
+        return reasoning.opens_inside(ids, self.markers)
 
     def for_prompt(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
         """The params the scheduler gets for this prompt: a thinking budget's count starts

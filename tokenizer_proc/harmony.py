@@ -30,8 +30,6 @@ import json
 import re
 from typing import Any, NamedTuple
 
-from engine.messages.to_tokenizer import Generate
-from tokenizer_proc import tool_calls
 from tokenizer_proc.tool_calls import openai_call, partial_suffix
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -298,33 +296,3 @@ def _parses(args: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-class SdkCalls:
-    """An SDK request's tool calls out of harmony text (`tool_calls.split_calls`): the text it
-    keeps is the output as written, less the calls' messages."""
-
-    def __init__(self) -> None:
-        self.stream = HarmonyStream(tools=True)
-
-    @property
-    def calls(self) -> int:
-        return self.stream.calls
-
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        parts = self.stream.feed(text)
-        return parts.raw, parts.calls
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        parts = self.stream.finish()
-        return parts.raw, parts.calls
-
-
-def for_sdk(tokenizer: Any, msg: Generate, speaks: bool) -> Any:
-    """An SDK request's tool-call parser (`tool_calls.split_calls`): harmony's when the model
-    `speaks` it and the request has tools, unless a forced call holds the reply to the generic
-    JSON form; else `tool_calls.for_request`'s."""
-    tools = tool_calls.for_request(tokenizer, msg)
-    if speaks and msg.tools and not isinstance(tools, tool_calls.JsonCalls):
-        return SdkCalls()
-    return tools

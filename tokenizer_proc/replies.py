@@ -14,30 +14,16 @@ from engine.errors import EngineError, InvalidRequest, ShuttingDown
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
 from engine.wire_errors import to_exception
-from tokenizer_proc import (
-    anthropic_api,
-    choices,
-    openai_api,
-    responses_api,
-    tool_calls,
-)
-from tokenizer_proc.harmony import HarmonyStream
+from tokenizer_proc import anthropic_api, choices, openai_api, responses_api
 from tokenizer_proc.http_errors import ANTHROPIC_TYPES, STATUS, error_body, status_of
-from tokenizer_proc.reasoning import Markers, ReasoningStream
+from tokenizer_proc.reasoning import Markers
+from tokenizer_proc.reply_split import Piece, ReplySplit
 from tokenizer_proc.requests import Entry
 
 log = logging.getLogger("tokenizer.http")
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-class Piece(NamedTuple):
-    """What one engine chunk adds to a reply: answer text, reasoning text, tool calls."""
-
-    text: str
-    reasoning: str
-    calls: list[dict[str, Any]]
 
 
 class Whole(NamedTuple):
@@ -61,25 +47,20 @@ class ApiReply:
         """`gen`: the request (its tools, and whether a forced call takes the generic JSON form,
         `tool_choice.generic_form`); `rid`: this reply's, when not `gen`'s (a choice of `n`)."""
         self.rid = rid or gen.rid
-        self.tools = tool_calls.for_request(tokenizer, gen)
-        self.offered = bool(gen.tools)
-        self.calls = 0
-        self.markers = markers
-        self.reasoner: ReasoningStream | None = None
-        self.harmony: HarmonyStream | None = None
-        self.reasoning_tokens = 0
+        self.split = ReplySplit(gen, tokenizer, markers)
+
+    @property
+    def calls(self) -> int:
+        return self.split.calls
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.split.reasoning_tokens
 
     def begin(self, entry: Entry) -> None:
-        """Before its first chunk: the reasoning split starts inside a thought when the prompt
-        opened one (`Entry.thinking`). A model that speaks harmony has its reply parsed by
-        channel instead, reasoning and tool calls at once, unless a forced call holds the reply
-        to the generic JSON form."""
-        m = self.markers
-        if m is not None and m.harmony:
-            if not isinstance(self.tools, tool_calls.JsonCalls):
-                self.harmony = HarmonyStream(entry.thinking, self.offered)
-        elif m is not None:
-            self.reasoner = ReasoningStream(m, entry.thinking)
+        """Before its first chunk: the split starts inside a thought when the prompt opened one
+        (`Entry.thinking`)."""
+        self.split.begin(entry.thinking)
 
     async def whole(self, entry: Entry) -> dict[str, Any]:
         raise NotImplementedError
@@ -139,37 +120,7 @@ class ApiReply:
         await resp.write_eof()
 
     def _text(self, chunk: tc.Chunk) -> Piece:
-        """The chunk's answer, reasoning and tool calls (both parsers hold back marker text);
-        a chunk with reasoning in it, or a marker, counts its tokens as reasoning tokens."""
-        if self.harmony is not None:
-            return self._channels(self.harmony, chunk)
-        text, reasoning, end = chunk.text, "", chunk.finish_reason is not None
-        if self.reasoner is not None:
-            inside = self.reasoner.inside
-            reasoning, text = self.reasoner.feed(text)
-            if end:
-                more, rest = self.reasoner.finish()
-                reasoning, text = reasoning + more, text + rest
-            if inside or self.reasoner.inside or reasoning:
-                self.reasoning_tokens += len(chunk.token_ids)
-        if self.tools is None:
-            return Piece(text, reasoning, [])
-        text, calls = self.tools.feed(text)
-        if end:
-            rest, more_calls = self.tools.finish()
-            text, calls = text + rest, calls + more_calls
-        self.calls += len(calls)
-        return Piece(text, reasoning, calls)
-
-    def _channels(self, stream: HarmonyStream, chunk: tc.Chunk) -> Piece:
-        """A harmony reply's chunk, parsed by channel (`HarmonyStream` counts its reasoning
-        tokens)."""
-        parts = stream.feed(chunk.text, len(chunk.token_ids))
-        if chunk.finish_reason is not None:
-            parts = parts.then(stream.finish())
-        self.reasoning_tokens = stream.reasoning_tokens
-        self.calls += len(parts.calls)
-        return Piece(parts.answer, parts.reasoning, parts.calls)
+        return self.split.piece(chunk)
 
 
 class Reply(ApiReply):

@@ -7,7 +7,10 @@ import time
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizer_proc.reply_split import ReplySplit
 
 
 @dataclass
@@ -27,7 +30,8 @@ class Entry:
     sent: bool = False  # forwarded to the scheduler
     aborted: bool = False  # abort asked: do not forward it, or tell the scheduler
     gone: bool = False  # the client went away: nothing more is sent to it
-    tools: Any = None  # an SDK request's tool-call parser (`tool_calls.ToolCallStream`)
+    # NOTE: an SDK request's reasoning and tool-call split (`reply_split.for_sdk`)
+    split: ReplySplit | None = None
     thinking: bool = False  # its prompt left the model inside a thought (`reasoning.py`)
     # NOTE: the request's timeline, recorded here only: logged once and fed to the latency
     # histograms when it finishes.

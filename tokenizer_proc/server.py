@@ -33,7 +33,7 @@ from engine.messages.to_launcher import SchedulerFacts
 from engine.messages.to_scheduler import Abort, StatsQuery, TokenizedRequest, ToScheduler
 from engine.protocol import Codec, error_field
 from engine.wire_errors import to_failure
-from tokenizer_proc import limits, prepare, reasoning, tool_calls
+from tokenizer_proc import limits, prepare, reasoning
 from tokenizer_proc.admission import INLINE_CHARS, Admission, Admitted, slow_text
 from tokenizer_proc.core import FrontDoor, HealthProbe, door_settings, paused_detail, unauthorized
 from tokenizer_proc.farewell import Farewell
@@ -312,9 +312,8 @@ class TokenizerServer:
 
     async def _on_generate(self, client: bytes, msg: tt.Generate) -> None:
         entry = Entry(client, client=self._welcomed.get(client) or _sdk_client(client))
-        if isinstance(msg.tools, list):
-            entry.tools = self.admission.tool_parser(msg)
         try:
+            entry.split = self.admission.splitter(msg)  # NOTE: a bad tool_choice raises here
             await self._admit(msg, entry)
         except EngineError as e:
             await self._send(client, to_failure(msg.rid, e))
@@ -360,6 +359,8 @@ class TokenizerServer:
 
     def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
         entry.thinking = reasoning.opens_inside(ids, self.markers)
+        if entry.split is not None:
+            entry.split.begin(entry.thinking)
         params = self.admission.for_prompt(params, ids)
         if not self.core.forwarded(msg.rid, entry):
             self._spawn(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
@@ -417,8 +418,8 @@ class TokenizerServer:
         if entry.reply_queue is not None:
             entry.reply_queue.put_nowait(msg)
             return
-        if entry.tools is not None and isinstance(msg, tc.Chunk):
-            msg = tool_calls.split_calls(entry.tools, msg)
+        if entry.split is not None and isinstance(msg, tc.Chunk):
+            msg = entry.split.sdk_chunk(msg)
         if not entry.gone and not await self._send(entry.owner, msg):  # type: ignore[arg-type]
             self._client_gone(entry.owner)
 

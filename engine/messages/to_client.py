@@ -53,6 +53,9 @@ class Chunk(Message):
     # NOTE: SDK requests with tools: the calls this chunk completed, parsed as over HTTP (OpenAI's
     # shape); their text is not in `text`
     tool_calls: list[dict[str, Any]] = []
+    # NOTE: SDK chats on a thinking model: the thought this chunk added, out of `text` (as the
+    # chat route's `reasoning_content`)
+    reasoning: str = ""
 
 
 class Failure(Message):
