@@ -236,6 +236,16 @@ def _tool_call_through_the_sdk(client: EngineClient, tool_model_dir: Path) -> No
     assert e.value.field == "tools"
 
 
+def test_a_bad_tool_choice_through_the_sdk_is_refused_by_name(engine, tiny_tool_model_dir):
+    """Through the launched SDK endpoint: a typed error naming tool_choice, and the engine
+    serves the next request (the parser used to be built outside the admission's try)."""
+    with EngineClient(engine.address, timeout=30.0) as client:
+        with pytest.raises(InvalidRequest) as e:
+            client.generate(messages=ASK, tools=TWO, tool_choice="sometimes", max_tokens=4)
+        assert e.value.field == "tool_choice"
+        _tool_call_through_the_sdk(client, tiny_tool_model_dir)
+
+
 def test_the_sdk_passes_tools_to_the_template(engine, tiny_tool_model_dir):
     with EngineClient(engine.address, timeout=30.0) as client:
         _tool_call_through_the_sdk(client, tiny_tool_model_dir)
