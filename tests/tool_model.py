@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -54,21 +55,48 @@ def make_scripted_model(
     return out
 
 
-def _rename_tokens(out: Path, names: dict[str, str], template: str) -> None:
+def _rename_tokens(
+    out: Path, names: dict[str, str], template: str, special: dict[str, str] | None = None
+) -> None:
+    """Rename added tokens (old -> new): `names` become plain tokens, `special` stay special;
+    the tokenizer's bos / eos / pad / unk follow their tokens' new names."""
+    renames = {**names, **(special or {})}
+    specials = set((special or {}).values())
     tok = json.loads((out / "tokenizer.json").read_text())
     for added in tok["added_tokens"]:
-        if added["content"] in names:
-            added["content"], added["special"] = names[added["content"]], False
+        if added["content"] in renames:
+            added["content"] = renames[added["content"]]
+            added["special"] = added["content"] in specials
     vocab = tok["model"]["vocab"]
-    for old, new in names.items():
+    for old, new in renames.items():
+        assert new not in vocab, f"{new!r} is already a token"
         vocab[new] = vocab.pop(old)
     (out / "tokenizer.json").write_text(json.dumps(tok))
     config = json.loads((out / "tokenizer_config.json").read_text())
     for entry in config.get("added_tokens_decoder", {}).values():
-        if entry["content"] in names:
-            entry["content"], entry["special"] = names[entry["content"]], False
+        if entry["content"] in renames:
+            entry["content"] = renames[entry["content"]]
+            entry["special"] = entry["content"] in specials
     config["chat_template"] = template
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "tokenizer_config.json").write_text(json.dumps(_renamed_roles(config, renames)))
+    roles = out / "special_tokens_map.json"
+    if roles.exists():
+        roles.write_text(json.dumps(_renamed_roles(json.loads(roles.read_text()), renames)))
+
+
+ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _renamed_roles(config: dict[str, Any], renames: dict[str, str]) -> dict[str, Any]:
+    """bos / eos / pad / unk renamed with their tokens (a plain string or an AddedToken dict)."""
+    out = dict(config)
+    for role in ROLES:
+        value = out.get(role)
+        if isinstance(value, str) and value in renames:
+            out[role] = renames[value]
+        elif isinstance(value, dict) and value.get("content") in renames:
+            out[role] = {**value, "content": renames[value["content"]]}
+    return out
 
 
 def answer_ids(out: Path, answer: str = ANSWER) -> list[int]:
