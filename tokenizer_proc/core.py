@@ -14,6 +14,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine import api_keys
 from engine.config import EngineConfig
@@ -62,6 +63,8 @@ class DoorSettings:
     control_token: str | None = None
     client_cap: int = 0  # most one client may hold (`--client-share`); 0: max_in_flight
     client_keys: Mapping[str, str] = field(default_factory=dict)  # key -> client name
+    running_slots: int = 0  # most requests running at once (what a router is told)
+    adapter: str | None = None  # the LoRA adapter applied at launch (its name)
 
 
 def door_settings(
@@ -78,6 +81,9 @@ def door_settings(
         vocab_size=vocab_size,
         max_context=max_context,
         max_in_flight=capacity,
+        running_slots=slots,
+        # NOTE: named as the scheduler names it (scheduler_proc/admin.py): the directory's name
+        adapter=Path(config.adapter_path).name if config.adapter_path else None,
         client_cap=max(1, int(capacity * config.client_share)),
         api_key=config.api_key,
         client_keys=keys,
@@ -90,7 +96,7 @@ class FrontDoor:
         self.settings = limits
         self.table = RequestTable()
         self.counters: Counter[str] = Counter()
-        self.metrics = Metrics()
+        self.metrics = Metrics(limits.model, limits.adapter)
         self.draining = False
         self.dead = False
         self.last_tick = time.monotonic()
@@ -189,6 +195,9 @@ class FrontDoor:
             self.changing_model -= 1
         if info is None:
             return
+        if "lora_adapter" in info:  # NOTE: every answer carries the scheduler's state
+            adapter = info["lora_adapter"]
+            self.metrics.adapter = adapter if isinstance(adapter, str) else None
         if not info.get("paused"):
             self.paused = None
         elif isinstance(op, ops.PauseGeneration):

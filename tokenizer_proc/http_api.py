@@ -35,6 +35,7 @@ from tokenizer_proc import (
     openai_api,
     page,
     responses_api,
+    router_api,
 )
 from tokenizer_proc.core import peer_client
 from tokenizer_proc.http_errors import (
@@ -106,6 +107,7 @@ class HttpApi:
                 *admin_api.AdminApi(
                     self.core, frontend.operations, frontend.config, _json_body
                 ).routes(),
+                *router_api.RouterApi(frontend).routes(),
             ]
         )
         self.runner: web.AppRunner | None = None

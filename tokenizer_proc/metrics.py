@@ -1,5 +1,6 @@
 """Prometheus metrics of the front door: latency histograms it observes itself, and the engine's
-counters and gauges (scheduler stats plus the front door's own) rendered from one snapshot.
+counters and gauges (scheduler stats plus the front door's own) rendered from one snapshot, with
+the same load under the names routers read (tokenizer_proc/router_metrics.py).
 
 In-memory only (no I/O): `render()` returns the text format that `GET /metrics` serves.
 """
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.messages.to_client import FinishReason
+from tokenizer_proc import router_metrics
 
 PREFIX = "mlx_engine_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -57,7 +59,10 @@ FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model: str = "", adapter: str | None = None) -> None:
+        """`model`: the served name; `adapter`: the LoRA adapter loaded (the front door keeps it
+        current), both for the router-facing gauges."""
+        self.model, self.adapter = model, adapter
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft = _histogram("time_to_first_token_seconds", "Time to first token", self)
         self.itl = Histogram(
@@ -110,3 +115,4 @@ class _Snapshot:
         for reason in FINISH_REASONS:
             finished.add_metric([reason], float(stats.get(f"finish_{reason}", 0.0)))
         yield finished
+        yield from router_metrics.families(stats, self.metrics.model, self.metrics.adapter)

@@ -38,15 +38,18 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncation": ("disabled",),
     "include": ([],),
     "background": (False,),
+    "priority": (0,),  # NOTE: vLLM's; smg sends it to engines it takes for vLLM
 }
+# NOTE: top_k, min_p and repetition_penalty are vLLM's and SGLang's additions to this route: smg
+# sends them (at values that change nothing; top_k -1 is vLLM's "no top-k", the engine's 0)
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 FIELDS = {
     *IGNORED,
     *NEUTRAL,
+    *SAMPLING,
     "input",
     "instructions",
     "max_output_tokens",
-    "temperature",
-    "top_p",
     "stream",
     "tools",
     "tool_choice",
@@ -77,7 +80,9 @@ def parse(body: Any, rid: str, model: str, max_context: int) -> Request:
             raise InvalidRequest(name, "is not supported by this server (stateless, text only)")
         if name in NEUTRAL and value not in NEUTRAL[name]:
             raise InvalidRequest(name, f"only {NEUTRAL[name][0]!r} is supported, got {value!r}")
-    params: dict[str, Any] = {k: body[k] for k in ("temperature", "top_p") if k in body}
+    params: dict[str, Any] = {k: body[k] for k in SAMPLING if k in body}
+    if params.get("top_k") == -1:
+        params["top_k"] = 0
     # NOTE: as on the chat route: no limit given is "as much as fits"
     params["max_tokens"] = body.get("max_output_tokens", max_context)
     stream = body.get("stream", False)
