@@ -64,15 +64,52 @@ def launch(**options: Any) -> None:
     help="Directory of the engine's log file (rotated by supervisord)",
 )
 @click.option("--startsecs", type=int, default=10, show_default=True, help="supervisord startsecs")
-def supervisor_conf(name: str, log_dir: Path, startsecs: int, **options: Any) -> None:
-    """Print a supervisord [program] section that runs `launch` with these options."""
-    from mlx_engine.supervisor_conf import program_section
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Engines on this host, on consecutive ports from --port (and --zmq-port); more than one "
+    "writes a supervisord group",
+)
+@click.option(
+    "--router",
+    type=click.Choice(["none", "smg"]),
+    default="none",
+    show_default=True,
+    help="smg: Shepherd Model Gateway in front of the engines, routing by prefix-cache affinity",
+)
+@click.option("--router-port", type=int, default=8000, show_default=True, help="smg's port")
+@click.option(
+    "--remote-workers",
+    default="",
+    help="Engines on other hosts that smg routes to as well: http://HOST:PORT, comma-separated",
+)
+def supervisor_conf(
+    name: str,
+    log_dir: Path,
+    startsecs: int,
+    workers: int,
+    router: str,
+    router_port: int,
+    remote_workers: str,
+    **options: Any,
+) -> None:
+    """Print a supervisord [program] section that runs `launch` with these options; with
+    --workers N or --router smg, a group: N engines and smg in front of them."""
+    from mlx_engine.supervisor_conf import Fleet, fleet_conf, program_section
 
+    remote = tuple(u.strip() for u in remote_workers.split(",") if u.strip())
     try:
         config = EngineConfig(**options).validate()
+        if workers == 1 and router == "none" and not remote:
+            text = program_section(config, name, log_dir, startsecs)
+        else:
+            fleet = Fleet(workers, router, router_port, remote)
+            text = fleet_conf(config, fleet, name, log_dir, startsecs)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    click.echo(program_section(config, name, log_dir, startsecs), nl=False)
+    click.echo(text, nl=False)
 
 
 @main.command()
