@@ -165,3 +165,32 @@ def test_compare_starts_the_peers_asked_for(compare, peers, tiny_model_dir):
     cfg = run.BenchConfig(model=str(tiny_model_dir), compare=compare).validate()
     started = list(run._servers(cfg, BackendInfo(blas="OpenBLAS", optimized=True)))
     assert len(started) == 1 + peers  # NOTE: the engine, then the peers (none started here)
+
+
+@pytest.mark.parametrize("listed,sent", [(["only"], {"model": "only"}), (["a", "b"], {}), ([], {})])
+def test_a_url_that_lists_one_model_gets_its_name_in_every_request(listed, sent):
+    """A router (smg) refuses a request without a model; a server listing several (mlx_lm.server:
+    every model it could load, and it loads the one a request names) gets none."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from mlx_engine.bench.client import served_model
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"object": "list", "data": [{"id": m} for m in listed]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert served_model(f"http://127.0.0.1:{server.server_port}") == sent
+    finally:
+        server.shutdown()
+        server.server_close()

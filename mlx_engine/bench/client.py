@@ -149,6 +149,21 @@ async def _session(
         history.append({"role": "assistant", "content": result.text})
 
 
+def served_model(url: str) -> dict[str, str]:
+    """`{"model": ID}` when a server lists one model at /v1/models, for the requests sent to it: a
+    router in front of engines (smg) routes by that name and refuses a request without one. Empty
+    otherwise: mlx_lm.server lists every model it could load, and loads the one a request names."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+            models = json.loads(resp.read()).get("data") or []
+    except (OSError, ValueError):
+        return {}
+    return {"model": str(models[0]["id"])} if len(models) == 1 else {}
+
+
 def read_counters(target: Target, names: tuple[str, ...]) -> dict[str, float]:
     """The engine's Prometheus counters `names` (`mlx_engine_<name>_total`) from `/metrics`;
     empty for a server without them (a peer)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_engine.bench import servers
-from mlx_engine.bench.client import Load, Target, read_counters, run_load
+from mlx_engine.bench.client import Load, Target, read_counters, run_load, served_model
 from mlx_engine.bench.metrics import STEP_COUNTERS, Summary, step_figures, summarize
 from mlx_engine.bench.report import EngineResult, Level, plot, table, write_json
 from mlx_engine.bench.workload import (
@@ -140,7 +140,8 @@ def _servers(cfg: BenchConfig, info: Any) -> Iterator[Any]:
     """A context manager yielding a Target for each server, each started only when entered."""
     eos = {"ignore_eos": True} if cfg.ignore_eos else {}
     if cfg.url:
-        yield contextlib.nullcontext(Target(cfg.url, cfg.url.rstrip("/"), eos))
+        url = cfg.url.rstrip("/")
+        yield contextlib.nullcontext(Target(cfg.url, url, eos | served_model(url)))
     else:
         port = servers.free_port()
         cmd = servers.engine_command(cfg.model, cfg.launch_args, port)
