@@ -94,19 +94,24 @@ def make_template_tokenizer(family: str, out: Path, tokenizer_from: Path) -> Pat
     return out
 
 
-def make_template_model(family: str, out: Path, tokenizer_from: Path, answer: str) -> Path:
+def make_template_model(
+    family: str, out: Path, tokenizer_from: Path, answer: str, end: str | None = None
+) -> Path:
     """A tiny model with `family`'s template and special tokens whose greedy reply to any chat
-    is `answer` (respelled where a context would repeat: `ngram_model.respell`), then the end
-    of turn."""
+    is `answer` (respelled where a context would repeat: `ngram_model.respell`), then `end`: the
+    end of turn (token 2), or another of the family's tokens that then ends replies too (gpt-oss
+    ends a tool call with <|call|>)."""
     make_random_model(out, CONFIG, tokenizer_from=tokenizer_from)
     make_template_tokenizer(family, out, tokenizer_from)
     tok = load_tokenizer(out)
+    stop = EOS if end is None else tok.convert_tokens_to_ids(end)
     prompt = tok.apply_chat_template(SAMPLE_CHAT, add_generation_prompt=True)
-    answer_ids = respell(prompt, tok.encode(answer, add_special_tokens=False), EOS, _pieces(tok))
+    answer_ids = respell(prompt, tok.encode(answer, add_special_tokens=False), stop, _pieces(tok))
     assert tok.decode(answer_ids) == answer, "the answer does not survive its tokenization"
-    write_weights(out, prompt, answer_ids, EOS)
+    write_weights(out, prompt, answer_ids, stop)
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "bos_token_id": 1}))
+    eos = sorted({EOS, stop})
+    (out / "config.json").write_text(json.dumps({**config, "bos_token_id": 1, "eos_token_id": eos}))
     return out
 
 

@@ -13,7 +13,8 @@ through a launched engine and the official `openai` and `anthropic` clients, who
 - gpt-oss (harmony): the template renders a conversation with tools (no engine test here).
 
 Known gaps are strict xfails: mlx-lm has no parser for Llama 3.x's calls (the engine refuses its
-tools under `auto`), and Mistral's template refuses the engine's tool call ids.
+tools under `auto`), Mistral's template refuses the engine's tool call ids, and a reply ended by
+a stop token other than the tokenizer's eos (Llama 3.1's <|eom_id|>) keeps that token's text.
 
 Each scripted model writes the same reply to any chat (`ANSWERS`); with tools offered, the
 reply's call is parsed, without it stays text.
@@ -74,6 +75,9 @@ ANSWERS = {
     "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}',
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
 }
+# NOTE: Llama 3.1 ends a turn with a call to a tool with <|eom_id|> (its template sets "Environment:
+# ipython" when tools are given), one of the stop tokens of its config besides <|eot_id|>
+ENDS = {"llama3": "<|eom_id|>"}
 # NOTE: the reasoning is the text between the markers as written (vLLM's split too): the
 # template's newlines around it included; the answer's leading blank line is dropped
 THOUGHTS = {"qwen3": f"\n{REASONING}\n", "deepseek_r1": f"{REASONING}\n"}
@@ -180,7 +184,9 @@ def engines(request, tmp_path_factory, default_model_dir) -> Iterator[dict[str, 
     try:
         for family in _families_asked(request.session.items):
             root = tmp_path_factory.mktemp(family)
-            model = make_template_model(family, root / "model", default_model_dir, ANSWERS[family])
+            model = make_template_model(
+                family, root / "model", default_model_dir, ANSWERS[family], ENDS.get(family)
+            )
             started[family] = LaunchedEngine(model, root / "launch.log")
         yield {family: engine.wait_ready() for family, engine in started.items()}
     finally:
@@ -392,3 +398,21 @@ def test_a_call_goes_back_into_the_conversation(engines, family):
     assert status == 200, body
     prompt = load_tokenizer(engine.log_path.parent / "model").decode(body["tokens"])
     assert WRITTEN_BACK[family].replace("{id}", call.id) in prompt, prompt
+
+
+STOP_TOKEN_LEAKS = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a stop token of the model's config that is not the tokenizer's eos (Llama 3.1's "
+    "<|eom_id|>, gpt-oss's <|call|>) is written into the text: the detokenizer skips only "
+    "tokenizer.all_special_ids (bos, eos, unk)",
+)
+
+
+@STOP_TOKEN_LEAKS
+@APIS
+@STREAMED
+@pytest.mark.parametrize("family", ["llama3"])
+def test_a_reply_ended_by_another_stop_token_keeps_it_out_of_the_text(engines, family, api, stream):
+    reply = _ask(api, engines[family], stream)
+    assert reply == Reply("", ANSWERS[family], [], FINISH[api]["stop"])
