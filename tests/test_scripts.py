@@ -72,3 +72,17 @@ def test_benchmark_scripts_run_on_a_tiny_model(script, request):
         argv += ["--model", str(request.getfixturevalue(fixture))]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_router_benchmark_runs_on_a_tiny_model(tiny_model_dir, tmp_path):
+    """scripts/bench_router.py: engines, smg in front, `mlx-engine bench` through both setups."""
+    import json
+
+    pytest.importorskip("smg", reason="smg has wheels for Linux x86_64 and macOS arm64 only")
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_router.py")]
+    argv += ["--model", str(tiny_model_dir), "--users", "2", "--turns", "2", "--system-len", "20"]
+    argv += ["--input-len", "4:8", "--output-len", "4", "--out", str(tmp_path)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "router.json").read_text())
+    assert [r["errors"] for r in rows] == [0, 0] and all(r["requests"] == 8 for r in rows)
