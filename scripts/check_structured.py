@@ -88,6 +88,7 @@ def kinds() -> dict[str, tuple[dict[str, Any], Any]]:
     from tokenizer_proc import tool_choice
 
     shim = SimpleNamespace(
+        has_tool_calling=True,
         tool_parser=json_tools.parse_tool_call,
         tool_call_start="<tool_call>",
         tool_call_end="</tool_call>",

@@ -1,12 +1,13 @@
 """`tool_choice` `required` and a named function: a forced call, each call's arguments held to
 its tool's JSON schema, as one Lark grammar for the scheduler's token masks.
 
-A model with mlx-lm's `json_tools` format (`<tool_call>` JSON `</tool_call>`, the Hermes / Qwen
-2.5 family and the test models) is forced into its own syntax. Any other model, with another
-format or none, is forced into a generic form the engine parses itself, as vLLM does: a JSON
-array of `{"name", "parameters"}` (`tool_calls.JsonCalls`); a model whose template cannot render
-tools is told of them in a system message (`prepare.tools_told`). `auto` and `none` keep the
-model's own format.
+A model whose tool-call format has a grammar in `tool_grammars` (mlx-lm's `json_tools`,
+`qwen3_coder`, `mistral`, `pythonic`) is forced into its own syntax, parsed back by its own
+parser. Any other model, with another format or none, or tools its format cannot carry (a name
+or schema it would not read back), is forced into a generic form the engine parses itself, as
+vLLM does: a JSON array of `{"name", "parameters"}` (`tool_calls.JsonCalls`); a model whose
+template cannot render tools is told of them in a system message (`prepare.tools_told`). `auto`
+and `none` keep the model's own format.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from engine.constraints import FIELDS, JSON_STYLE
 from engine.errors import InvalidRequest
+from tokenizer_proc import tool_grammars
+from tokenizer_proc.tool_grammars.schemas import call_schema
 
 
 def check_tools(tools: Any) -> None:
@@ -84,60 +87,23 @@ def grammar(
     choice: str | tuple[str, str],
     parallel: bool,
 ) -> str | None:
-    """The Lark grammar forcing a tool call (None for `auto` / `none`)."""
+    """The Lark grammar forcing a tool call (None for `auto` / `none`): in the model's own
+    syntax where it can be (`tool_grammars.native`), else the generic form."""
     if choice in ("auto", "none"):
         return None
     if not tools:
         raise InvalidRequest("tool_choice", f"{_says(choice)} needs tools")
+    chosen = _chosen(tools, choice)
+    if not chosen:
+        raise InvalidRequest("tool_choice", f"no tool named {choice[1]!r} in tools")
+    return tool_grammars.native(tokenizer, chosen, parallel) or _generic(chosen, parallel)
+
+
+def _chosen(tools: list[dict[str, Any]], choice: str | tuple[str, str]) -> list[dict[str, Any]]:
+    """The tools a call may be to: all, or the named one (none: no tool has its name)."""
     if isinstance(choice, tuple):
-        tools = [t for t in tools if t["function"]["name"] == choice[1]]
-        if not tools:
-            raise InvalidRequest("tool_choice", f"no tool named {choice[1]!r} in tools")
-    if not own_format(tokenizer):
-        return _generic(tools, parallel)
-    calls = [_call_schema(t["function"]) for t in tools]
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    call = {**call, "x-guidance": JSON_STYLE}
-    start = _marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
-    end = _marker(tokenizer.tool_call_end, tokenizer.tool_call_end_tokens)
-    # NOTE: the template's own layout may put a newline on either side of the JSON
-    return "\n".join(
-        [
-            f"start: call{'+' if parallel else ''}",
-            f'call: {start} "\\n"? arguments "\\n"? {end} "\\n"?',
-            f"arguments: %json {json.dumps(call)}",
-        ]
-    )
-
-
-def _marker(text: str, ids: tuple[int, ...] | None) -> str:
-    """A tool-call marker: its text, or its one token by id.
-
-    NOTE: llguidance takes an added token as special: its mask lets the token through for the
-    marker's text, but consuming it then fails ("forced bytes: got '<'"), so the token is also
-    named by id (`<[id]>`)."""
-    literal = json.dumps(text)
-    return f"({literal} | <[{ids[0]}]>)" if ids and len(ids) == 1 else literal
-
-
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": _parameters(function)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
-
-
-def own_format(tokenizer: Any) -> bool:
-    """Whether a forced call takes the model's own syntax (mlx-lm's `json_tools`, written
-    here), not the generic JSON form."""
-    parser = getattr(tokenizer, "tool_parser", None) if _has_tools(tokenizer) else None
-    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] == "json_tools"
-
-
-def _has_tools(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "has_tool_calling", False))
+        return [t for t in tools if t["function"]["name"] == choice[1]]
+    return tools
 
 
 def forced(msg: Any) -> bool:
@@ -146,32 +112,23 @@ def forced(msg: Any) -> bool:
 
 
 def generic_form(msg: Any, tokenizer: Any) -> bool:
-    """Whether a request's forced call takes the generic JSON form (`_generic`)."""
-    return bool(msg.tools) and forced(msg) and not own_format(tokenizer)
+    """Whether a request's forced call takes the generic JSON form (`_generic`): the same
+    choice as `grammar`'s, so its replies are parsed by the parser of the form it was held to."""
+    if not (msg.tools and forced(msg)):
+        return False
+    chosen = _chosen(msg.tools, normalize(msg.tool_choice))
+    return tool_grammars.native(tokenizer, chosen, msg.parallel_tool_calls) is None
 
 
 def _generic(tools: list[dict[str, Any]], parallel: bool) -> str:
     """The generic form: a JSON array of calls `{"name", "parameters"}`, one at least (exactly
     one without parallel calls), each held to its tool's schema."""
-    calls = [_generic_call(t["function"]) for t in tools]
+    calls = [call_schema(t["function"], "parameters") for t in tools]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     array = {"type": "array", "items": item, "minItems": 1, "x-guidance": JSON_STYLE}
     if not parallel:
         array["maxItems"] = 1
     return f"start: calls\ncalls: %json {json.dumps(array)}"
-
-
-def _generic_call(function: dict[str, Any]) -> dict[str, Any]:
-    call = _call_schema(function)
-    properties = {"name": call["properties"]["name"], "parameters": _parameters(function)}
-    return {**call, "properties": properties, "required": ["name", "parameters"]}
-
-
-def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    params = function.get("parameters") or {"type": "object"}
-    if not isinstance(params, dict):
-        raise InvalidRequest("tools", f"{function['name']}: parameters must be a JSON schema")
-    return params
 
 
 def _says(choice: str | tuple[str, str]) -> str:

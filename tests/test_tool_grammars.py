@@ -1,0 +1,380 @@
+"""Forced tool calls in each model's own format (tokenizer_proc/tool_grammars): on tiny random
+models with each format's template (tests/tool_formats.py), replies sampled at temperature 1
+under the grammar alone are, to mlx-lm's parser of the format, calls valid for their tools'
+schemas; texts each grammar must refuse are refused; tools a format cannot carry take the
+generic JSON form; and the engine parses a forced call with the model's own parser on every
+front door (in-process, OpenAI's stream, Anthropic's tool_use blocks)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+import tool_formats as tf
+from engine_harness import LaunchedEngine
+
+from engine.client import EngineClient
+from engine.tokenizer_loader import load_tokenizer
+from mlx_engine.inprocess import InProcessEngine
+from tokenizer_proc import tool_choice, tool_grammars
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory, default_model_dir: Path):
+    """A format's tiny random model, built once per module."""
+    built: dict[str, Path] = {}
+
+    def model(fmt: str) -> Path:
+        if fmt not in built:
+            out = tmp_path_factory.mktemp(f"format-{fmt}")
+            built[fmt] = tf.make_format_model(fmt, out, default_model_dir)
+        return built[fmt]
+
+    return model
+
+
+@pytest.fixture(scope="module")
+def samplers(build):
+    made: dict[str, tf.Sampler] = {}
+
+    def sampler(fmt: str) -> tf.Sampler:
+        if fmt not in made:
+            made[fmt] = tf.Sampler(build(fmt))
+        return made[fmt]
+
+    return sampler
+
+
+# --- which form a forced call takes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [*tf.FORMATS, tf.GENERIC])
+def test_each_format_is_forced_into_its_own_syntax_or_the_generic_form(build, fmt):
+    tok = _tok(build(fmt))
+    native = fmt in tf.NATIVE
+    assert tool_choice.generic_form(tf.request(), tok) is not native
+    lark = tool_choice.grammar(tok, tf.TOOLS, "required", False)
+    assert lark is not None and lark.startswith("start: calls") == (not native), lark[:80]
+
+
+# --- sampled at temperature 1: every reply a valid call ----------------------------------------
+
+# NOTE: (request, samples, max_tokens, share that must end): parallel replies run on
+RUNS = [
+    (tf.request(), 64, 128, 0.9),
+    (tf.request(parallel=True), 24, 400, 0.4),
+    (tf.request(choice=NAMED), 24, 128, 0.9),
+]
+
+
+@pytest.mark.parametrize("fmt", [*tf.NATIVE, "glm47"])
+def test_sampled_forced_calls_parse_and_hold_to_their_schemas(samplers, fmt):
+    """`required` with and without parallel calls, and a named tool, from a random model: every
+    reply that ends is a valid call (one without parallel calls) of its tools. (The generic
+    form on a model without a format: tests/test_tools.py; 1,000 samples a format:
+    scripts/check_tool_calls.py.)"""
+    sampler = samplers(fmt)
+    for msg, samples, max_tokens, share in RUNS:
+        replies = sampler.sample(msg, samples, max_tokens)
+        ended = [text for end, text in replies if end == "stop"]
+        bad = [(t, why) for t in ended if (why := tf.verify(sampler.tokenizer, msg, t))]
+        assert not bad, (fmt, msg.tool_choice, msg.parallel_tool_calls, bad[:3])
+        # NOTE: a reply cut by max_tokens proves nothing; most must end
+        assert len(ended) >= samples * share, (fmt, msg.parallel_tool_calls, len(ended))
+        if msg.tool_choice == NAMED:
+            assert all("get_weather" in t for t in ended)
+
+
+# --- what each grammar must refuse -------------------------------------------------------------
+
+
+@functools.cache
+def _tok(model_dir: Path) -> Any:
+    return load_tokenizer(model_dir)
+
+
+@functools.cache
+def _llg_tokenizer(model_dir: Path) -> Any:
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(str(model_dir / "tokenizer.json"))
+
+
+def _accepts(model_dir: Path, lark: str, text: str) -> bool:
+    from llguidance import LLMatcher
+
+    tok = _llg_tokenizer(model_dir)
+    matcher = LLMatcher(tok, LLMatcher.grammar_from_lark(lark), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tok.tokenize_str(text)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def _check(build, fmt: str, good: list[str], bad: list[str], parallel: bool = False) -> None:
+    """`good` texts are accepted and valid calls to mlx-lm's parser; `bad` ones refused."""
+    model_dir = build(fmt)
+    tok = _tok(model_dir)
+    msg = tf.request(parallel=parallel)
+    lark = tool_choice.grammar(tok, tf.TOOLS, "required", parallel)
+    assert lark is not None
+    for text in good:
+        assert _accepts(model_dir, lark, text), text
+        assert tf.verify(tok, msg, text) is None, (text, tf.verify(tok, msg, text))
+    for text in bad:
+        assert not _accepts(model_dir, lark, text), text
+
+
+def _qwen(*calls: str) -> str:
+    return "".join(f"<tool_call>\n{c}</function>\n</tool_call>" for c in calls)
+
+
+def _p(name: str, value: str) -> str:
+    return f"<parameter={name}>\n{value}\n</parameter>\n"
+
+
+def test_qwen3_coder_strings_are_any_text_the_parser_reads_back(build):
+    weather = "<function=get_weather>\n"
+    _check(
+        build,
+        "qwen3_coder",
+        good=[
+            _qwen("<function=now>\n"),
+            _qwen(weather + _p("city", "a\n<b>&'\"") + _p("days", "14")),
+            _qwen(weather + _p("city", "") + _p("days", "1") + _p("units", "celsius")),
+            _qwen(weather + _p("city", "nulls") + _p("days", "3") + _p("detailed", "true")),
+            _qwen(weather + _p("city", "</param") + _p("days", "3")),
+            _qwen(weather + _p("city", "\n\nNull\n") + _p("days", "3")),
+            _qwen(
+                "<function=place_order>\n" + _p("item", "tea") + _p("quantity", "-2.5")
+                + _p("address", '{"street": "x</p>y"}') + _p("tags", '["a", "b"]')
+            ),
+        ],
+        bad=[
+            _qwen(weather + _p("city", "a</parameter>b") + _p("days", "3")),
+            _qwen(weather + _p("city", "null") + _p("days", "3")),
+            _qwen(weather + _p("city", "NuLL") + _p("days", "3")),
+            _qwen(weather + _p("city", "a</tool_call>") + _p("days", "3")),
+            _qwen(weather + _p("city", "thirteen long") + _p("days", "3")),
+            _qwen(weather + _p("city", "x")),  # NOTE: days is required
+            _qwen(weather + _p("city", "x") + _p("days", "15")),
+            _qwen(weather + _p("city", "x") + _p("days", "2.0")),
+            _qwen(weather + _p("city", "x") + _p("days", "3") + _p("units", "kelvin")),
+            _qwen(weather + _p("city", "x") + _p("days", "3") + _p("detailed", "yes")),
+            _qwen(weather + _p("city", "x") + _p("days", "3") + _p("wind", "3")),
+            _qwen("<function=place_order>\n" + _p("item", "tea") + _p("quantity", "1e400")),
+            _qwen("<function=nope>\n"),
+            _qwen("<function=now>\n", "<function=now>\n"),  # NOTE: one call without parallel
+        ],
+    )  # fmt: skip
+
+
+def test_qwen3_coder_integers_stay_within_a_floats_exact_range(build):
+    tok = _tok(build("qwen3_coder"))
+    count = [{"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}]  # fmt: skip
+    lark = tool_choice.grammar(tok, count, "required", True)
+    body = "<function=count>\n" + _p("n", "{}")
+    ok, over = _qwen(body.format(2**53 - 1)), _qwen(body.format(2**53 + 1))
+    assert _accepts(build("qwen3_coder"), lark, ok)
+    assert not _accepts(build("qwen3_coder"), lark, over)
+    both = _qwen(body.format(-1), body.format(7))
+    assert _accepts(build("qwen3_coder"), lark, both)
+
+
+def _py(*calls: str) -> str:
+    return f"<|tool_call_start|>[{', '.join(calls)}]<|tool_call_end|>"
+
+
+def test_pythonic_values_are_python_literals_of_their_schemas(build):
+    _check(
+        build,
+        "pythonic",
+        good=[
+            _py("now()"),
+            _py('get_weather(city="a\\nb\\"c", days=3)'),
+            _py('get_weather(city="x", days=14, units="fahrenheit", detailed=true)'),
+            _py('get_weather(city="x", days=2, detailed=false)'),
+            _py('place_order(item="water", quantity=0.5, address={"street": "s", "zip": 7})'),
+            _py('place_order(item="tea", quantity=-3, tags=["a", "bb"])'),
+        ],
+        bad=[
+            _py('get_weather(city="x")'),
+            _py('get_weather(days=3, city="x")'),  # NOTE: the schema's order
+            _py("get_weather(city='x', days=3)"),
+            _py('get_weather(city="a\\/b", days=3)'),  # NOTE: Python reads "\/" as two characters
+            _py('get_weather(city="\\u0041", days=3)'),
+            _py('get_weather(city="x", days=3, detailed=True)'),
+            _py('get_weather(city="x", days=3,)'),
+            _py('place_order(item="tea", quantity=1e5)'),
+            _py('place_order(item="juice", quantity=1)'),
+            _py("now(), now()"),
+        ],
+    )
+
+
+def test_mistral_headers_and_arrays(build):
+    _check(
+        build,
+        "mistral",
+        good=[
+            "[TOOL_CALLS]now[ARGS]{}",
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "x", "days": 2}',
+        ],
+        bad=[
+            '[TOOL_CALLS]now[ARGS]{"x": 1}',
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "x"}',
+            "[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[ARGS]{}",
+            '[TOOL_CALLS] [{"name": "now", "arguments": {}}]',
+        ],
+    )
+    _check(
+        build,
+        "mistral",
+        good=["[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]now[ARGS]{}"],
+        bad=["[TOOL_CALLS]now[ARGS]{}now[ARGS]{}"],
+        parallel=True,
+    )
+    _check(
+        build,
+        "mistral_array",
+        good=['[TOOL_CALLS] [{"name": "now", "arguments": {}}]'],
+        bad=[
+            "[TOOL_CALLS]now[ARGS]{}",
+            '[TOOL_CALLS] [{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}]',
+            "[TOOL_CALLS] []",
+        ],
+    )
+
+
+# --- tools a format cannot carry take the generic form -------------------------------------------
+
+
+def _tool(name: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    params = {"type": "object", "properties": props, **extra}
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+@pytest.mark.parametrize(
+    "fmt,tool",
+    [
+        ("qwen3_coder", _tool("f", {"s": {"type": "string", "pattern": "^a+$"}})),
+        ("qwen3_coder", _tool("f", {"s": {"type": ["string", "null"]}})),
+        ("qwen3_coder", _tool("f", {"s": {"enum": [1, 2]}})),
+        ("qwen3_coder", _tool("f", {"s": {"type": "string", "enum": ["ok", "NULL"]}})),
+        ("qwen3_coder", _tool("f", {"s": {"$ref": "#"}})),
+        ("qwen3_coder", _tool("f", {"s": {}}, minProperties=1)),
+        ("qwen3_coder", _tool("f g", {})),
+        ("qwen3_coder", _tool("f", {"a b": {"type": "string"}})),
+        ("pythonic", _tool("f", {"class": {"type": "string"}})),
+        ("pythonic", _tool("f", {"my-key": {"type": "string"}})),
+        ("pythonic", _tool("f-g", {})),
+        ("pythonic", _tool("f", {"x": {"type": "integer"}}, required=["y"])),
+        ("mistral", _tool("f.g", {})),
+    ],
+)
+def test_tools_a_format_cannot_carry_take_the_generic_form(build, fmt, tool):
+    tok = _tok(build(fmt))
+    assert tool_grammars.native(tok, [tool], False) is None
+    assert tool_choice.grammar(tok, [tool], "required", False).startswith("start: calls")
+    assert tool_choice.generic_form(tf.request(tools=[tool]), tok)
+
+
+def test_a_schema_a_format_can_carry_is_forced_natively(build):
+    """The counterpart: definitions, an untyped free parameter, a string enum."""
+    defs = {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+    tool = _tool("f", {"p": {"$ref": "#/$defs/pt"}, "free": {}, "e": {"enum": ["a", "b"]}}, **defs)
+    assert _compiles(tool_grammars.native(_tok(build("pythonic")), [tool], True))
+    tool = _tool("f", {"p": {"type": "object", "properties": {"q": {"$ref": "#/$defs/pt"}}},
+                       "free": {}, "e": {"enum": ["a", "b"]}}, **defs)  # fmt: skip
+    assert _compiles(tool_grammars.native(_tok(build("qwen3_coder")), [tool], True))
+
+
+def _compiles(lark: str | None) -> bool:
+    from llguidance import LLMatcher
+
+    return lark is not None and not LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark))
+
+
+# --- through the engine: the model's own parser on every front door ------------------------------
+
+
+def _check_call(name: str, arguments: str) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tf.TOOLS}
+    import jsonschema
+
+    jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+@pytest.mark.parametrize("fmt", tf.NATIVE)
+def test_the_in_process_engine_parses_a_forced_call_in_the_models_format(build, fmt):
+    transport = InProcessEngine(str(build(fmt)), max_total_tokens=4096)
+    with EngineClient(transport=transport, timeout=60.0) as client:
+        kwargs = dict(messages=tf.ASK, tools=tf.TOOLS, max_tokens=160, temperature=1.0)
+        for seed in range(4):
+            r = client.generate(tool_choice=NAMED, seed=seed, parallel_tool_calls=False, **kwargs)
+            assert r.text == "" and [c["function"]["name"] for c in r.tool_calls] == [
+                "get_weather"
+            ], (r.text, r.finish_reason)
+            _check_call("get_weather", r.tool_calls[0]["function"]["arguments"])
+        chunks = list(
+            client.stream(tool_choice="required", seed=9, parallel_tool_calls=False, **kwargs)
+        )
+        calls = [c for ch in chunks for c in ch.tool_calls]
+        assert "".join(ch.text for ch in chunks) == "" and len(calls) == 1, chunks[-1]
+        for call in calls:
+            _check_call(call["function"]["name"], call["function"]["arguments"])
+
+
+@pytest.fixture(scope="module", params=["qwen3_coder", "mistral"])
+def launched(request, build, tmp_path_factory):
+    """A launched engine on a format with an end marker, and on one without (mistral)."""
+    log = tmp_path_factory.mktemp(f"launch-{request.param}") / "launch.log"
+    engine = LaunchedEngine(build(request.param), log).wait_ready()
+    yield engine
+    engine.stop()
+
+
+def test_forced_calls_stream_as_openai_deltas_and_anthropic_tool_use(launched):
+    oai = openai.OpenAI(base_url=launched.http + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model="m", messages=tf.ASK, tools=tf.TOOLS, max_tokens=400, temperature=1.0)
+    ended = 0
+    for seed in range(8):
+        chunks = list(
+            oai.chat.completions.create(
+                tool_choice="required", parallel_tool_calls=True, stream=True, seed=seed, **kwargs
+            )
+        )
+        if chunks[-1].choices[0].finish_reason == "length":
+            continue  # NOTE: parallel calls run on; a reply cut short is text
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [t for d in deltas for t in d.tool_calls or []]
+        assert calls and "".join(d.content or "" for d in deltas) == ""
+        assert [c.index for c in calls] == list(range(len(calls)))
+        for call in calls:
+            _check_call(call.function.name, call.function.arguments)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        ended += 1
+    assert ended >= 3
+    claude = anthropic.Anthropic(base_url=launched.http, api_key="unused", max_retries=0)
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+        for t in tf.TOOLS
+    ]
+    with claude.messages.stream(
+        model="m",
+        max_tokens=160,
+        messages=tf.ASK,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    ) as stream:
+        final = stream.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert [b.name for b in uses] == ["get_weather"] and final.stop_reason == "tool_use", final
+    _check_call("get_weather", json.dumps(uses[0].input))

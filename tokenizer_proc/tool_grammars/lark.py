@@ -1,0 +1,76 @@
+"""Pieces of llguidance's Lark shared by the forced-call grammars: literals, markers, regex
+text, JSON values and a list of parameters where some may be left out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.constraints import JSON_STYLE
+
+
+def literal(text: str) -> str:
+    """`text` as a Lark string literal (JSON's escapes, which llguidance reads)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def marker(text: str, ids: tuple[int, ...] | list[int] | None) -> str:
+    """A marker: its text, or its one token by id.
+
+    NOTE: llguidance takes an added token as special: its mask lets the token through for the
+    marker's text, but consuming it then fails ("forced bytes: got '<'"), so the token is also
+    named by id (`<[id]>`)."""
+    return f"({literal(text)} | <[{ids[0]}]>)" if ids and len(ids) == 1 else literal(text)
+
+
+def marker_of(tokenizer: Any, text: str) -> str:
+    """A marker of the tokenizer's other than its tool-call start and end (whose ids it keeps)."""
+    encode = getattr(tokenizer, "encode", None)
+    ids = encode(text, add_special_tokens=False) if encode is not None else None
+    return marker(text, ids)
+
+
+def regex_text(text: str) -> str:
+    """`text` matched literally inside a Lark `/regex/`.
+
+    NOTE: every ASCII character but letters and digits as `\\x{..}`: no escape rule of the
+    regex dialect (or the `/` that ends the literal) to get wrong."""
+    return "".join(c if c.isalnum() or ord(c) > 127 else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def json_value(schema: dict[str, Any]) -> str:
+    """A JSON value held to `schema`, in the engine's JSON style (`constraints.JSON_STYLE`)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
+
+
+def optional_list(name: str, items: list[tuple[str, bool]], sep: str) -> tuple[str, list[str]]:
+    """The expression (and its rules, named `name_*`) of `items` in order, `(expression,
+    required)` each, a required one always written, an optional one maybe left out, `sep`
+    between two written ones ("" and no rules for no items). Two rules per item: where nothing
+    is written yet, and after one.
+
+    NOTE: rules, not one inline expression: each optional item forks the rest in two, so an
+    inline one doubles with each optional item."""
+    if not items:
+        return "", []
+    n, rules = len(items), []
+    sep_lit = literal(sep)
+
+    def first(i: int) -> str:
+        return f"{name}_f{i}" if i < n else ""
+
+    def after(i: int) -> str:
+        return f"{name}_a{i}" if i < n else ""
+
+    for i, (item, required) in enumerate(items):
+        head, tail = f"{item} {after(i + 1)}".strip(), f"{sep_lit} {item} {after(i + 1)}".strip()
+        if required:
+            rules += [f"{first(i)}: {head}", f"{after(i)}: {tail}"]
+        else:
+            rules.append(f"{first(i)}: {_or_skip(head, first(i + 1))}")
+            rules.append(f"{after(i)}: {_or_skip(tail, after(i + 1))}")
+    return first(0), rules
+
+
+def _or_skip(written: str, skipped: str) -> str:
+    return f"({written}) | {skipped}" if skipped else f"({written})?"
