@@ -122,6 +122,13 @@ class EngineConfig:
         "Prompt-chunk attention: auto (ops on CUDA, whose masked fast kernel builds per shape), "
         "ops (MLX's matmul and softmax), fast (mx.fast.scaled_dot_product_attention)",
     )
+    spec: str = _opt(
+        "off",
+        "Speculative decoding: off, ngram (prompt lookup: a greedy row proposes what followed "
+        "its last n tokens earlier in its prompt or output, verified in the decode step)",
+    )
+    spec_k: int = _opt(8, "Most tokens a row proposes a step (--spec); its own k adapts")
+    spec_ngram: int = _opt(3, "Longest n-gram --spec ngram matches (then shorter, down to 2)")
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     max_frame_bytes: int = _opt(
         8 << 20, "Largest client frame (bytes); 4x this drops the connection"
@@ -239,6 +246,11 @@ class EngineConfig:
         if self.reasoning_parser not in ("auto", "harmony", "none"):
             raise ValueError(
                 f"reasoning_parser must be auto, harmony or none, got {self.reasoning_parser}"
+            )
+        if self.spec not in ("off", "ngram") or self.spec_k < 1 or self.spec_ngram < 1:
+            raise ValueError(
+                f"spec must be off or ngram, spec_k and spec_ngram >= 1, got {self.spec}, "
+                f"{self.spec_k}, {self.spec_ngram}"
             )
         if self.prefill_attention not in ("auto", "ops", "fast"):
             raise ValueError(

@@ -564,9 +564,9 @@ class KVPool:
         return cut
 
     # -- forward views -----------------------------------------------------------------------
-    def row_view(self, slot: int, table: list[int], start: int) -> list[EntryCache]:
-        """One request, tokens at `start:`, int offset (a single stream's step)."""
-        return self._caches(_RowView(self, slot, table, start))
+    def row_view(self, slot: int, table: list[int], start: int, n: int = 1) -> list[EntryCache]:
+        """One request, `n` tokens at `start:`, int offset (a single stream's step)."""
+        return self._caches(_RowView(self, slot, table, start, n))
 
     def ragged_view(
         self,

@@ -136,13 +136,23 @@ class KVManager:
         src, dst = list(last.values()), list(last)
         self.pool.copy_tokens(src, dst)
 
-    def grow(self, req: Req, evict: bool = True) -> bool:
-        """A page more when the request's next token starts one; False when none is free."""
-        while self.pool.pages_for(req.kv_len + 1) > len(req.pages):
+    def grow(self, req: Req, evict: bool = True, ahead: int = 1) -> bool:
+        """Pages for the request's next `ahead` tokens (a decode: one; a speculating row: its
+        input and proposal); False when none is free."""
+        while self.pool.pages_for(req.kv_len + ahead) > len(req.pages):
             if not (self.room(1) if evict else self.pages.available >= 1):
                 return False
             req.pages += self.pages.alloc(1)
         return True
+
+    def trim(self, req: Req) -> None:
+        """Pages wholly past the request's `kv_len` go back (a speculating row's rejected
+        tokens: pages `grow` took for them). Only its own pages lie there: a shared or cached
+        page holds tokens below `kv_len`."""
+        keep = self.pool.pages_for(req.kv_len)
+        if len(req.pages) > keep:
+            self.pages.release(req.pages[keep:])
+            del req.pages[keep:]
 
     def release(self, req: Req) -> None:
         """Its pages go back (those the prefix cache holds stay); what it computed is cached

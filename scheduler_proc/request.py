@@ -57,6 +57,7 @@ class Req:
     thinking: bool = False
     thought: int = 0
     force_next: int | None = None
+    spec: Any = None  # its speculation state (`speculate.RowSpec`), once it speculated
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -253,17 +253,31 @@ class Runner:
 
     # -- decode --------------------------------------------------------------------------------
     def _decode_logits(self, batch: Batch, inputs: mx.array) -> mx.array:
-        """The decode forward's last-position logits (B, V), lazy."""
+        """The decode forward's logits at each row's input token (B, V), lazy. A speculating
+        row's proposal runs after its input in the same row (`speculate.py`): the greedy tokens
+        at its positions go to `batch.spec_tokens`."""
         n = inputs.shape[0]
         if batch.sampler is None:
             batch.sampler = self._sampler(batch, n)
         rows = batch.rows
+        proposals = [p or [] for p in batch.proposals or []]
+        proposals += [[]] * (len(rows) - len(proposals))
+        width = 1 + max((len(p) for p in proposals), default=0)
         starts = [r.kv_len for r in rows]
-        for r in rows:
-            r.kv_len += 1
-        cache, kv_len = self._decode_cache(rows, starts, n)
-        logits = self._forward(inputs[:, None], cache, kv_len, batch)
-        return logits[:, -1, :]
+        lengths = [1 + len(p) for p in proposals]
+        for r, k in zip(rows, lengths, strict=True):
+            r.kv_len += k
+        cache, kv_len = self._decode_cache(rows, starts, n, lengths, width)
+        grid = inputs[:, None]
+        if width > 1:
+            pad = [p + [0] * (width - 1 - len(p)) for p in proposals]
+            pad += [[0] * (width - 1)] * (n - len(rows))
+            grid = mx.concatenate([grid, mx.array(pad, dtype=mx.int32)], axis=1)
+        logits = self._forward(grid, cache, kv_len, batch)
+        if width > 1:
+            rest = logits[:, 1:, :].astype(mx.float32)
+            batch.spec_tokens = mx.argmax(rest, axis=-1).astype(mx.int32)
+        return logits[:, 0, :]
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:
         rows = [row_params(r) for r in batch.rows]
@@ -271,22 +285,27 @@ class Runner:
         return build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab, allowed)
 
     def _decode_cache(
-        self, rows: list[Req], starts: list[int], n: int
+        self, rows: list[Req], starts: list[int], n: int, lengths: list[int], width: int
     ) -> tuple[list[EntryCache], int]:
+        """The decode forward's view: `lengths` real tokens of each row (1, or a speculating
+        row's input and proposal), `width` query positions."""
         # NOTE: a lone row takes mlx-lm's own single-stream path (int offset, slice write, no
         # mask): cheaper than the padded batch's scatter and mask.
         if n == 1:
             r = rows[0]
-            return self.pool.row_view(_slot(r), r.pages, starts[0]), -1
+            return self.pool.row_view(_slot(r), r.pages, starts[0], width), -1
         pad = n - len(rows)
         plan = StepRows(
             slots=[_slot(r) for r in rows] + [self.pool.scratch_slot] * pad,
             tables=[r.pages for r in rows] + [[]] * pad,
             starts=starts + [0] * pad,
-            lengths=[1] * len(rows) + [0] * pad,
-            width=1,
+            lengths=lengths + [0] * pad,
+            width=width,
         )
-        kv_len = self.ladders.pad_decode_kv(max(starts) + 1)
+        ends = max(s + k for s, k in zip(starts, lengths, strict=True))
+        kv_len = self.ladders.pad_decode_kv(ends)
+        if width > 1:  # NOTE: speculating rows: chunks of a prompt's kind, every position's logits
+            return self.pool.ragged_view(plan, kv_len, by_ops=self.prefill_by_ops), kv_len
         view = self.pool.ragged_view(plan, kv_len, fused=self.fused_decode, split=self.split_decode)
         return view, kv_len
 
@@ -498,4 +517,5 @@ def _outputs(batch: Batch) -> list[mx.array]:
     s = batch.decode_out
     if s is None:
         return batch.prompt_lps
-    return [a for a in (s.tokens, s.logprob, s.top_ids, s.top_logprobs) if a is not None]
+    out = (s.tokens, s.logprob, s.top_ids, s.top_logprobs, batch.spec_tokens)
+    return [a for a in out if a is not None]

@@ -40,6 +40,7 @@ from scheduler_proc.running import RunningTable
 from scheduler_proc.sampling import Sampled, advance, has_penalty
 from scheduler_proc.seating import Seating
 from scheduler_proc.shapes import Ladders
+from scheduler_proc.speculate import Speculator
 from scheduler_proc.step_times import StepTimes
 from scheduler_proc.waiting import WaitingQueue
 
@@ -133,6 +134,7 @@ class Scheduler:
             scores_held=self.defaults.scores_held,
         )
         self.eos = frozenset(eos_token_ids)
+        self.spec = Speculator(config, layout)  # NOTE: `--spec`; off by default
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap
         # NOTE: an operator's pause (scheduler_proc/admin.py): waiting requests stay queued while
@@ -344,6 +346,7 @@ class Scheduler:
             "gc_frozen_objects": child.frozen_objects,  # NOTE: start-up's, out of the collector's way
             "grammar_masked_rows": self.grammars.masks,
             "grammar_mask_s": round(self.grammars.mask_s, 4),
+            **self.spec.stats(),
         }
 
     def shutdown(self) -> None:
@@ -423,6 +426,9 @@ class Scheduler:
         # NOTE: a row whose next token is forced (`_follow_thought`): the step after `cur` must
         # take that token as its input, known only once `cur`'s sampled one is replaced
         if any(r.force_next is not None for r in cur.rows):
+            return False
+        # NOTE: a speculating row's next input is the last token its step accepts
+        if cur.proposals is not None or any(self.spec.active(r) for r in cur.rows):
             return False
         if self.running.prefilling() and not self._prefill_chains(cur):
             return False
@@ -549,6 +555,7 @@ class Scheduler:
             return None
         batch = Batch(decode=rows, joined=joined)
         batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
+        batch.proposals = self.spec.plan(rows, self.kv)
         slices = self._plan_slices() if beside else []
         if slices:
             batch.beside = Batch(slices=slices)
@@ -602,8 +609,35 @@ class Scheduler:
         self.step_times.add(batch, time.monotonic())
         for req in batch.joined:
             self._start_decoding(req)
+        if batch.proposals is not None:
+            self._verify(batch, tokens, logprobs)
+            return
         for i, req in enumerate(batch.rows):
             self._accept(req, tokens[i], logprobs[i])
+
+    def _verify(
+        self, batch: Batch, first: list[int], logprobs: Sequence[TokenLogprob | None]
+    ) -> None:
+        """A step with speculating rows: each row's token at its input, then, for a speculating
+        row, its greedy tokens while its proposal matches them (the last one is the token after
+        the proposal's longest matching prefix); its KV past them is rolled back."""
+        assert batch.proposals is not None
+        rest: list[list[int]] = [] if batch.spec_tokens is None else _listed(batch.spec_tokens)
+        for i, req in enumerate(batch.rows):
+            proposal = batch.proposals[i] if i < len(batch.proposals) else None
+            emitted = 0 if req.finished else 1
+            self._accept(req, first[i], logprobs[i])
+            for j, token in enumerate(proposal or []):
+                if req.finished or req.output_ids[-1] != token:
+                    break
+                self._accept(req, rest[i][j], None)
+                emitted += 1
+            if proposal is None:
+                continue
+            # NOTE: written: the input and the proposal; kept: the input and what was accepted
+            req.kv_len -= len(proposal) + 1 - max(emitted, 1)
+            self.kv.trim(req)
+            self.spec.verified(req, proposal, max(emitted - 1, 0))
 
     def _start_decoding(self, req: Req) -> None:
         """Its prompt is in the KV and its first token sampled: it joins the decode rows."""

@@ -51,6 +51,7 @@ DEFAULT_TESTS = (
     "tests/test_fair_admission.py",
     "tests/test_burst.py",
     "tests/test_operations.py",
+    "tests/test_spec_decode.py",
 )
 MIN_TIMEOUT_S = 600.0
 DEADLINE_TEXT = "the test ran past its deadline"  # tests/engine_harness.py `deadline`
@@ -65,6 +66,31 @@ class Bug:
 
 
 BUGS = (
+    # -- speculation (scheduler_proc/speculate.py) ----------------------------------------------
+    Bug(
+        "speculation: a proposed token kept without comparing it with the greedy token",
+        "scheduler_proc/scheduler.py",
+        "if req.finished or req.output_ids[-1] != token:",
+        "if req.finished:",
+    ),
+    Bug(
+        "speculation: the KV of rejected tokens not rolled back",
+        "scheduler_proc/scheduler.py",
+        "req.kv_len -= len(proposal) + 1 - max(emitted, 1)",
+        "req.kv_len -= 0",
+    ),
+    Bug(
+        "speculation: pages taken for rejected tokens kept",
+        "scheduler_proc/scheduler.py",
+        "            self.kv.trim(req)\n",
+        "            pass\n",
+    ),
+    Bug(
+        "speculation: a step with speculating rows chained on blindly",
+        "scheduler_proc/scheduler.py",
+        "if cur.proposals is not None or any(self.spec.active(r) for r in cur.rows):",
+        "if False:",
+    ),
     # -- masks, positions, reads ----------------------------------------------------------------
     Bug(
         "attention mask off by one (a query sees the next key)",

@@ -1,0 +1,136 @@
+"""Speculative decoding inside the decode step (issue 40, first slice: prompt lookup, greedy rows).
+
+A speculating row runs its input token and its proposal (`ngram.NgramIndex`) as one chunk of the
+decode step, through the path prompt chunks take: every position's logits, each position's KV
+written. The row keeps the longest prefix of the proposal that its own greedy tokens reproduce,
+plus the token after it, so its output is the one it would have decoded token by token; the KV
+of what it rejected is rolled back (its `kv_len` set back, whole pages past it returned).
+
+Only rows whose next token is the argmax of their logits and nothing else speculate (greedy, no
+penalty, no constraint, no logprobs, no thinking budget); the others decode beside them as
+always. A model with recurrent state or window rings does not speculate: their writes cannot be
+taken back by setting a length. A row's k adapts: up after a proposal accepted whole, down to
+what was accepted after a partial one, and off for a while after steps that accepted nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from scheduler_proc.kv_layout import Layout
+from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.ngram import NgramIndex
+from scheduler_proc.request import Req
+from scheduler_proc.sampling import has_penalty
+
+log = logging.getLogger(__name__)
+
+# NOTE: steps in a row that accepted nothing (no proposal, or all of it rejected) before a row
+# stops speculating; while it speculates it breaks the overlap loop's chain (its next input
+# depends on what is accepted), which costs a chained step's overlap on CUDA.
+MISSES_OFF = 3
+# NOTE: tokens a row decodes plainly before trying again; doubled each time it goes off again,
+# up to `OFF_MAX`, and back to this once a proposal is accepted.
+OFF_TOKENS = 16
+OFF_MAX = 512
+
+
+@dataclass
+class RowSpec:
+    """One request's speculation state (`Req.spec`)."""
+
+    index: NgramIndex
+    k: int
+    misses: int = 0
+    off: int = OFF_TOKENS  # the next off period, in tokens
+    resume_at: int = 0  # output length at which an off row speculates again
+    history: list[tuple[int, int]] = field(default_factory=list)  # (proposed, accepted), tests
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, layout: Layout) -> None:
+        self.k_max, self.ngram = config.spec_k, config.spec_ngram
+        self.on = config.spec == "ngram"
+        self.proposed = self.accepted = self.steps = 0
+        if self.on and (layout.states or any(s.window is not None for s in layout.kv)):
+            log.warning(
+                "speculative decoding off: the model's recurrent state or window rings cannot "
+                "be rolled back (only full-attention KV can)"
+            )
+            self.on = False
+        elif self.on:
+            log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
+
+    def eligible(self, req: Req) -> bool:
+        """Whether `req`'s tokens are its logits' argmax and nothing else (what verification
+        by comparing argmaxes keeps exact)."""
+        p = req.params
+        return (
+            self.on
+            and p.greedy
+            and not has_penalty(p)
+            and not p.logprobs
+            and not p.constrained
+            and req.matcher is None
+            and p.think_budget is None
+            and req.force_next is None
+        )
+
+    def active(self, req: Req) -> bool:
+        """Whether `req` would speculate at its next fresh step (so its chain breaks)."""
+        if not self.eligible(req):
+            return False
+        row = req.spec
+        return row is None or len(req.output_ids) >= row.resume_at
+
+    def plan(self, rows: list[Req], kv: KVManager) -> list[list[int] | None] | None:
+        """Each decode row's proposal ([]: it speculates but found none; None: it does not
+        speculate), its pages taken (free pages only: nothing is evicted or preempted for a
+        proposal, which is cut to what fits); None: no row speculates."""
+        if not self.on:
+            return None
+        out = [self._propose(r, kv) if self.active(r) else None for r in rows]
+        return out if any(p is not None for p in out) else None
+
+    def _propose(self, req: Req, kv: KVManager) -> list[int]:
+        row = req.spec
+        if row is None:
+            row = req.spec = RowSpec(NgramIndex(self.ngram), self.k_max)
+        row.index.extend(req.input_ids, req.output_ids)
+        # NOTE: the step emits at most proposal + 1 tokens, all within the length limit
+        k = min(row.k, req.max_new - len(req.output_ids) - 1)
+        proposal = row.index.propose(k)
+        if proposal and not kv.grow(req, ahead=1 + len(proposal), evict=False):
+            room = len(req.pages) * kv.pool.page_size - req.kv_len - 1
+            proposal = proposal[: max(room, 0)]
+        return proposal
+
+    def verified(self, req: Req, proposal: list[int], accepted: int) -> None:
+        """Adapt the row's k to a step that proposed `proposal` and accepted `accepted` of it."""
+        row = req.spec
+        if row is None:
+            return
+        if proposal:
+            self.steps += 1
+            self.proposed += len(proposal)
+            self.accepted += accepted
+            row.history.append((len(proposal), accepted))
+        if accepted:
+            row.misses, row.off = 0, OFF_TOKENS
+            full = accepted == len(proposal)
+            row.k = min(self.k_max, row.k + 1 if full else max(accepted, 1))
+            return
+        row.misses += 1
+        if row.misses >= MISSES_OFF:
+            row.misses = 0
+            row.resume_at = len(req.output_ids) + row.off
+            row.off = min(row.off * 2, OFF_MAX)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "spec_proposed_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+            "spec_rows_verified": self.steps,  # NOTE: row-steps that verified a proposal
+        }
