@@ -20,7 +20,10 @@ class Detokenizer:
         # tokens); a shallow copy of one prototype shares that map: ~4 us per request
         # (docs/architecture.md, "Decisions").
         self._proto = tokenizer.detokenizer
-        self._skip = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        # NOTE: every token that ends a turn is no text either: a model's config may name stop
+        # tokens its tokenizer does not call special (Llama 3.1's <|eom_id|>, gpt-oss's <|call|>)
+        stops = getattr(tokenizer, "eos_token_ids", None) or ()
+        self._skip = frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(stops)
         self._streams: dict[str, TextStream] = {}
 
     def register(self, rid: str, stop: list[str]) -> None:
