@@ -169,6 +169,9 @@ def test_rollback_leaves_the_kv_as_if_rejected_tokens_were_never_written(llama, 
     while not (req.spec and any(a < p for p, a in req.spec.history) and len(req.output_ids) > 20):
         spec.step()
         assert len(req.output_ids) < 150, "no proposal was rejected"
+        # NOTE: the pages a step took for its proposal past what it kept are back already
+        if req.output_ids:
+            assert len(req.pages) == spec.pool.pages_for(req.kv_len), "pages kept past kv_len"
     plain = make_scheduler(llama, page_size=4, disable_overlap=True)
     plain.submit("r", prompt, params)
     while len(plain._reqs["r"].output_ids) < len(req.output_ids):
