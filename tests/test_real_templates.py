@@ -13,7 +13,7 @@ through a launched engine and the official `openai` and `anthropic` clients, who
 - gpt-oss (harmony): the template renders a conversation with tools (no engine test here).
 
 Known gaps are strict xfails: mlx-lm has no parser for Llama 3.x's calls (the engine refuses its
-tools under `auto`) and Mistral's template refuses the engine's tool call ids.
+tools under `auto`).
 
 Each scripted model writes the same reply to any chat (`ANSWERS`); with tools offered, the
 reply's call is parsed, without it stays text.
@@ -358,12 +358,6 @@ def test_a_forced_call_parses_and_holds_to_the_schema(engines, family, stream):
         jsonschema.validate(reply.calls[0][1], WEATHER)
 
 
-MISTRAL_IDS = pytest.mark.xfail(
-    strict=True,
-    raises=openai.BadRequestError,
-    reason="the engine's tool call ids (call_ + 24 hex digits) are refused by Mistral's template, "
-    "which wants 9 alphanumerics: 'Tool call IDs should be alphanumeric strings with length 9!'",
-)
 # NOTE: the call as each template writes it back into the conversation
 WRITTEN_BACK = {
     "qwen3": QWEN3_CALL,
@@ -374,7 +368,7 @@ WRITTEN_BACK = {
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3", "qwen3_coder", pytest.param("mistral", marks=MISTRAL_IDS), LLAMA3]
+    "family", ["qwen3", "qwen3_coder", "mistral", LLAMA3]
 )
 def test_a_call_goes_back_into_the_conversation(engines, family):
     """The call as the client got it (its id, its arguments as a JSON string), then the tool's

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -80,7 +82,7 @@ class ToolCallStream:
         try:
             parsed = self.parser(text, self.tools)
             found = parsed if isinstance(parsed, list) else [parsed]
-            out = [openai_call(c["name"], c.get("arguments", {}), 0, c.get("id")) for c in found]
+            out = [self._call(c) for c in found]
         except Exception as e:
             if not quiet:
                 log.warning("unparsable tool call (%s: %s): %.200r", type(e).__name__, e, text)
@@ -88,6 +90,23 @@ class ToolCallStream:
         for call in out:
             call["index"], self.calls = self.calls, self.calls + 1
         return out
+
+    def _call(self, parsed: dict[str, Any]) -> dict[str, Any]:
+        """One parsed call in OpenAI's form, the model's own id kept (Mistral writes one)."""
+        ident = parsed.get("id") or new_id(self.parser)
+        return openai_call(parsed["name"], parsed.get("arguments", {}), 0, ident)
+
+
+# NOTE: Mistral's templates refuse any other call id ("Tool call IDs should be alphanumeric
+# strings with length 9!"), and a client sends the id back with the tool's result
+MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+
+
+def new_id(parser: Parser) -> str:
+    """A fresh id for a call parsed by `parser`, in the shape its model's template takes back."""
+    if getattr(parser, "__module__", "").rsplit(".", 1)[-1] == "mistral":
+        return "".join(secrets.choice(MISTRAL_ID_CHARS) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def openai_call(name: Any, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
