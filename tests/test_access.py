@@ -49,11 +49,18 @@ def get(engine, path: str, key: str | None) -> int:
     return r.status
 
 
-@pytest.mark.parametrize("path", ["/v1/models", "/health", "/health_generate", "/metrics"])
+@pytest.mark.parametrize("path", ["/v1/models", "/health_generate", "/metrics", "/v1/loads"])
 def test_http_needs_the_key(engine, path):
     assert get(engine, path, None) == 401
     assert get(engine, path, "wrong") == 401
     assert get(engine, path, KEY) == 200
+
+
+def test_liveness_answers_without_the_key(engine):
+    """Routers and load balancers probe /health bare (smg will not register an engine whose
+    /health refuses it); it says ok or why not, nothing else."""
+    assert get(engine, "/health", None) == 200
+    assert get(engine, "/health", "wrong") == 200
 
 
 def test_openai_client_with_and_without_the_key(engine):

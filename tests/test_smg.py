@@ -6,7 +6,8 @@ through smg; a client that leaves aborts its request on the engine; multi-turn s
 their prefix-cache hits; and when one engine is killed, its streams end with an error while new
 requests go to the other.
 
-The module's engines are shared; the kill test ends one of them, so it comes last.
+The engines take a key, as engines on other hosts must: smg passes it on (and probes /health
+bare). The module's engines are shared; the kill test ends one of them, so it comes last.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 import pytest
 from engine_harness import LaunchedEngine, free_ports
 
-from engine import control_token
 from mlx_engine import router_conf
 
 pytest.importorskip("smg", reason="smg has wheels for Linux x86_64 and macOS arm64 only")
@@ -37,7 +37,11 @@ TURNS = 3
 # NOTE: a turn's prompt: the shared system prompt, then the session's history
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule{i}" for i in range(60))
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-JSON = {"Content-Type": "application/json"}
+# NOTE: keyed, as engines on other hosts must be (a non-loopback bind needs a key): smg asks its
+# clients for the key and sends it to the engines
+KEY = "fleet-key-41"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json", **AUTH}
 
 
 class Smg:
@@ -47,7 +51,7 @@ class Smg:
         self.port = free_ports(2)[0]  # NOTE: smg's metrics take the port above
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = router_conf.smg_command(workers, model, port=self.port)
+        cmd = router_conf.smg_command(workers, model, port=self.port, api_key=KEY)
         self._log = open(log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
@@ -78,7 +82,9 @@ class Smg:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory) -> Iterator[tuple[list[LaunchedEngine], Smg]]:
     tmp = tmp_path_factory.mktemp("smg")
-    engines = [LaunchedEngine(tiny_model_dir, tmp / f"engine{i}.log") for i in range(2)]
+    engines = [
+        LaunchedEngine(tiny_model_dir, tmp / f"engine{i}.log", "--api-key", KEY) for i in range(2)
+    ]
     router = None
     try:
         for e in engines:
@@ -99,7 +105,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory) -> Iterator[tuple[list[Launche
 def get_json(port: int, path: str) -> Any:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=AUTH)
         return json.loads(conn.getresponse().read())
     finally:
         conn.close()
@@ -117,10 +123,9 @@ def post(port: int, path: str, body: Any, timeout: float = 60) -> tuple[int, dic
 
 
 def flush(engine: LaunchedEngine) -> None:
-    token = control_token.read(engine.port)
     conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=30)
     try:
-        conn.request("POST", "/flush_cache", headers={"Authorization": f"Bearer {token}"})
+        conn.request("POST", "/flush_cache", headers=AUTH)  # NOTE: the owner's key
         assert conn.getresponse().status == 200
     finally:
         conn.close()
@@ -129,7 +134,7 @@ def flush(engine: LaunchedEngine) -> None:
 def counters(engine: LaunchedEngine) -> dict[str, float]:
     conn = http.client.HTTPConnection("127.0.0.1", engine.http_port, timeout=10)
     try:
-        conn.request("GET", "/metrics")
+        conn.request("GET", "/metrics", headers=AUTH)
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
@@ -307,7 +312,7 @@ async def _chat(port: int, sessions: list[list[str]], concurrency: int = 16) -> 
                 )
 
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=timeout, headers=AUTH) as http:
         await asyncio.gather(*(one(s, http) for s in sessions))
     return errors
 

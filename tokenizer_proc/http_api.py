@@ -59,6 +59,9 @@ from tokenizer_proc.server import TokenizerServer
 log = logging.getLogger("tokenizer.http")
 
 SHUTDOWN_TIMEOUT_S = 2.0
+# NOTE: liveness answers without the key: routers and load balancers probe it bare (smg registers
+# an engine only after a bare GET /health answered 2xx); it tells nothing but ok or why not
+OPEN_PATHS = frozenset({"/health"})
 BACKLOG = 1024  # NOTE: pending connections; the kernel may grant fewer (tokenizer_proc/backlog.py)
 
 
@@ -172,6 +175,8 @@ class HttpApi:
         # NOTE: Anthropic's clients send the key as x-api-key
         key = key or request.headers.get("x-api-key")
         if page.is_public(request.path):  # NOTE: the page's files; it asks for the key itself
+            return await handler(request)
+        if request.path in OPEN_PATHS:
             return await handler(request)
         self.core.check_key(key)
         request["key"] = key  # NOTE: the operator's routes check it again (admin_api.py)
