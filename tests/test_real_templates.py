@@ -12,8 +12,8 @@ through a launched engine and the official `openai` and `anthropic` clients, who
   tool's result, is written back into the prompt in the model's own syntax;
 - gpt-oss (harmony): the template renders a conversation with tools (no engine test here).
 
-Known gaps are strict xfails: mlx-lm has no parser for Llama 3.x's calls (the engine refuses its
-tools under `auto`).
+mlx-lm has no parser for Llama 3.x's calls: the engine reads them as bare JSON calls
+(`tool_calls.BareJsonCalls`).
 
 Each scripted model writes the same reply to any chat (`ANSWERS`); with tools offered, the
 reply's call is parsed, without it stays text.
@@ -316,18 +316,10 @@ def test_qwen3_thinking_off_renders_the_templates_empty_thought(engines, family)
 
 # --- tool families ------------------------------------------------------------------------------
 
-LLAMA_HAS_NO_PARSER = pytest.mark.xfail(
-    strict=True,
-    raises=(openai.BadRequestError, anthropic.BadRequestError),
-    reason="mlx-lm infers no tool parser from Llama 3.x templates (bare JSON calls), so the "
-    "engine refuses tools with tool_choice auto: 'this model's chat template has no tool calling'",
-)
-LLAMA3 = pytest.param("llama3", marks=LLAMA_HAS_NO_PARSER)
-
 
 @APIS
 @STREAMED
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_coder", "mistral", LLAMA3])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_coder", "mistral", "llama3"])
 def test_a_call_in_the_familys_syntax_comes_back_structured(engines, family, api, stream):
     engine = engines[family]
     tools = TOOLS if api == "openai" else ANTHROPIC_TOOLS
@@ -367,9 +359,7 @@ WRITTEN_BACK = {
 }
 
 
-@pytest.mark.parametrize(
-    "family", ["qwen3", "qwen3_coder", "mistral", LLAMA3]
-)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_coder", "mistral", "llama3"])
 def test_a_call_goes_back_into_the_conversation(engines, family):
     """The call as the client got it (its id, its arguments as a JSON string), then the tool's
     result: the template writes the call back in the model's own syntax."""

@@ -16,7 +16,7 @@ from engine.client import AsyncEngineClient, EngineClient
 from engine.errors import InvalidRequest
 from engine.tokenizer_loader import load_tokenizer
 from mlx_engine.inprocess import InProcessEngine
-from tokenizer_proc.tool_calls import ToolCallStream
+from tokenizer_proc.tool_calls import BareJsonCalls, ToolCallStream
 
 pytestmark = pytest.mark.usefixtures("bounded")
 ASK = [{"role": "user", "content": "What time is it?"}]
@@ -303,7 +303,8 @@ def test_a_model_without_a_tool_format_is_forced_into_the_generic_json_form(plai
     """`required` or a named function on any model: the reply is held to a JSON array of
     `{"name", "parameters"}` calls, each held to its tool's schema, and parsed by the engine
     (vLLM's form); sampled at temperature 1, 128 replies, every one a valid call. `auto` on
-    such a model still refuses tools (there is no format to parse them from)."""
+    such a model tells it of the tools too, and its reply is content unless it is bare JSON
+    calls (`BareJsonCalls`); it used to be a 400 naming `tools`."""
     client = openai.OpenAI(base_url=plain.http + "/v1", api_key="unused", max_retries=0)
     # NOTE: f closed to extra keys: an open object lets a random model write keys to max_tokens
     closed_f = {**TOOLS[0]["function"], "parameters": {**EMPTY, "additionalProperties": False}}
@@ -325,9 +326,39 @@ def test_a_model_without_a_tool_format_is_forced_into_the_generic_json_form(plai
     calls = [c for ch in chunks for c in (ch.choices[0].delta.tool_calls or []) if ch.choices]
     assert [c.function.name for c in calls] == ["g"]
     _check_g(calls[0].function.arguments)
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(tool_choice="auto", **kwargs)
-    assert e.value.body["param"] == "tools"
+    auto = client.chat.completions.create(tool_choice="auto", **{**kwargs, "max_tokens": 4})
+    bare = client.chat.completions.create(**{**kwargs, "tools": None, "max_tokens": 1})
+    assert auto.usage.prompt_tokens > bare.usage.prompt_tokens + 20  # NOTE: the tools, told
+
+
+@pytest.mark.parametrize(
+    ("pieces", "content", "calls"),
+    [
+        (['  {"name": "g", "parame', 'ters": {"city": "Oslo"}}'], "", [("g", {"city": "Oslo"})]),
+        (['[{"name": "f", "arguments": {}},', ' {"name": "g", "parameters": {}}]'], "",
+         [("f", {}), ("g", {})]),
+        (["Sure", ", here"], "Sure, here", []),
+        (['{"name": "h", "parameters": {}}'], '{"name": "h", "parameters": {}}', []),
+        (['{"name": "g", "parameters": {"ci'], '{"name": "g", "parameters": {"ci', []),
+        (['{"answer": 4}'], '{"answer": 4}', []),
+        (["\n", "[1, 2]"], "\n[1, 2]", []),
+    ],
+)  # fmt: skip
+def test_bare_json_calls_are_calls_and_anything_else_content(pieces, content, calls):
+    """A model without a tool-call format, under `auto`: a reply of bare JSON calls naming
+    offered tools (Llama 3.x's `{"name", "parameters"}`, or an array) is calls; prose streams as
+    content at once; JSON that is no call of an offered tool, or cut short, stays content."""
+    stream = BareJsonCalls(TWO)
+    text, found = "", []
+    for piece in pieces:
+        more, got = stream.feed(piece)
+        text, found = text + more, found + got
+        if pieces[0][:1] not in "{[ \n":
+            assert more == piece  # NOTE: prose is not held back
+    rest, got = stream.finish()
+    text, found = text + rest, found + got
+    assert text == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found] == calls
 
 
 def test_the_generic_form_tells_a_model_without_tools_of_them(plain, tiny_model_dir):

@@ -11,7 +11,6 @@ from typing import Any
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
 from engine.prompt_check import check_prompt
-from tokenizer_proc import harmony
 from tokenizer_proc.tool_choice import check_tools, generic_form
 
 SOURCES = ("prompt", "messages", "input_ids")
@@ -57,7 +56,7 @@ def token_ids(
     if req.messages is not None:
         extra = template_kwargs(req.chat_template_kwargs)
         messages, tools = req.messages, req.tools
-        if tools and generic_form(req, tokenizer) and not _renders_tools(tokenizer):
+        if tools and _told(req, tokenizer):
             messages, tools = tools_told(messages, tools), None
         ids = _from_messages(messages, tokenizer, tools, generation_prompt, extra)
     elif req.prompt is not None:
@@ -74,17 +73,34 @@ def _renders_tools(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "has_tool_calling", False))
 
 
-# NOTE: the engine's words to a model whose template cannot show tools, when a call is forced
-# (the grammar holds the reply to this form whatever the model makes of them)
+def _told(req: Generate, tokenizer: Any) -> bool:
+    """Whether the tools go into the system message (`tools_told`) rather than the template: a
+    model without a tool-call format (mlx-lm's parser) whose call is forced in the generic form
+    (the form must be told), or whose template has no `tools` at all."""
+    if _renders_tools(tokenizer):
+        return False
+    return generic_form(req, tokenizer) or not takes_tools(tokenizer)
+
+
+def takes_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes the request's `tools` (Llama 3.x's does, with no format
+    mlx-lm parses: its calls are read as bare JSON, `tool_calls.BareJsonCalls`)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+# NOTE: the engine's words to a model whose template cannot show tools (under `auto`, and when
+# a call is forced: the grammar then holds the reply to this form whatever the model makes of it)
 TOOLS_TOLD = (
     "You can call these tools (JSON specs):\n{specs}\n"
-    'Reply with a JSON array of calls, each {{"name": ..., "parameters": {{...}}}}.'
+    'To call tools, reply with only a JSON array of calls, each {{"name": ..., "parameters": '
+    "{{...}}}}."
 )
 
 
 def tools_told(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat with the tools described in its system message (one is added first when it
-    has none), for a forced call in the generic form on a model whose template has no tools."""
+    has none), for a model whose template has no tools or no tool-call format (`_told`)."""
     specs = "\n".join(json.dumps(t["function"]) for t in tools)
     note = TOOLS_TOLD.format(specs=specs)
     if messages and messages[0].get("role") == "system":
@@ -133,9 +149,9 @@ def _from_messages(
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 raise InvalidRequest(f"messages[{i}].{key}", "must be a string")
-    # NOTE: a harmony template writes tools too (mlx-lm has no parser of its calls: the engine
-    # parses them, tokenizer_proc/harmony.py)
-    if tools and not (_renders_tools(tokenizer) or harmony.speaks(tokenizer)):
+    # NOTE: a template may write tools with no format mlx-lm parses (harmony's, Llama 3.x's):
+    # the engine parses those calls itself (tokenizer_proc/harmony.py, tool_calls.BareJsonCalls)
+    if tools and not (_renders_tools(tokenizer) or takes_tools(tokenizer)):
         raise InvalidRequest("tools", "this model's chat template has no tool calling")
     extra = {**(template or {}), **({"tools": tools} if tools else {})}
     try:

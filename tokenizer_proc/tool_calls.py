@@ -18,9 +18,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from engine.messages.to_client import Chunk
 from engine.messages.to_tokenizer import Generate
 from tokenizer_proc import tool_choice
 
@@ -149,6 +146,55 @@ class JsonCalls:
         return "", calls
 
 
+class BareJsonCalls:
+    """Calls on a model that has no tool-call format of its own, under `auto`: a reply that is
+    nothing but JSON calls, `{"name", "parameters"}` (Llama 3.x's form; `arguments` too) or an
+    array of them, each naming an offered tool, is calls; any other reply is content. Text
+    streams as content at once unless the reply opens with `{` or `[` (whitespace skipped), which
+    is held to the end and parsed there. The same `feed` / `finish` as `ToolCallStream`."""
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        self.names = {t["function"]["name"] for t in tools}
+        self.calls = 0
+        self._buf = ""
+        self._held: bool | None = None  # None: not known yet (only whitespace so far)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._held is False:
+            return text, []
+        self._buf += text
+        lead = self._buf.lstrip()
+        if lead and self._held is None:
+            self._held = lead[0] in "{["
+        if self._held is False:
+            out, self._buf = self._buf, ""
+            return out, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        text, self._buf = self._buf, ""
+        calls = self._parse(text) if self._held else []
+        self.calls = len(calls)
+        return ("", calls) if calls else (text, [])
+
+    def _parse(self, text: str) -> list[dict[str, Any]]:
+        try:
+            parsed = json.loads(text)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            calls = [_bare_call(c, i) for i, c in enumerate(items)]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return []
+        names = {c["function"]["name"] for c in calls}
+        return calls if calls and names <= self.names else []
+
+
+def _bare_call(item: dict[str, Any], index: int) -> dict[str, Any]:
+    args = item["parameters"] if "parameters" in item else item["arguments"]
+    if set(item) - {"name", "parameters", "arguments", "type"}:
+        raise KeyError("not a call")
+    return openai_call(item["name"], args, index)
+
+
 def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
@@ -157,22 +203,19 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def split_calls(stream: ToolCallStream | JsonCalls, chunk: Chunk) -> Chunk:
-    """An SDK chunk with its tool calls parsed out of its text (as the HTTP API does)."""
-    text, calls = stream.feed(chunk.text)
-    if chunk.finish_reason is not None:
-        rest, more = stream.finish()
-        text, calls = text + rest, calls + more
-    return msgspec.structs.replace(chunk, text=text, tool_calls=calls)
+Stream = ToolCallStream | JsonCalls | BareJsonCalls
 
 
-def for_request(tokenizer: Any, msg: Generate) -> ToolCallStream | JsonCalls | None:
+def for_request(tokenizer: Any, msg: Generate) -> Stream | None:
     """A stream parser when the request has tools: the generic form's when its call is forced
-    so (`tool_choice.generic_form`), else the model's own when its tokenizer marks tool calls."""
+    so (`tool_choice.generic_form`), the model's own when its tokenizer marks tool calls, else
+    bare JSON calls (`BareJsonCalls`)."""
     tools = msg.tools
     if tools and tool_choice.generic_form(msg, tokenizer):
         return JsonCalls()
-    if not tools or not getattr(tokenizer, "has_tool_calling", False):
+    if not tools:
         return None
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return BareJsonCalls(tools)
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     return ToolCallStream(start, end, tokenizer.tool_parser, tools)
