@@ -107,26 +107,33 @@ def _llg_tokenizer(model_dir: Path) -> Any:
     return LLTokenizer(str(model_dir / "tokenizer.json"))
 
 
+SPLIT = "\x00"  # NOTE: where a text is tokenized apart (`_accepts`)
+
+
 def _accepts(model_dir: Path, lark: str, text: str) -> bool:
     from llguidance import LLMatcher
 
     tok = _llg_tokenizer(model_dir)
     matcher = LLMatcher(tok, LLMatcher.grammar_from_lark(lark), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    ids = tok.tokenize_str(text)
+    # NOTE: each piece tokenized alone: a marker's text split in two is ordinary tokens
+    ids = [i for piece in text.split(SPLIT) for i in tok.tokenize_str(piece)]
     return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
 
 
-def _check(build, fmt: str, good: list[str], bad: list[str], parallel: bool = False) -> None:
+def _check(
+    build, fmt: str, good: list[str], bad: list[str], parallel: bool = False, tools: Any = None
+) -> None:
     """`good` texts are accepted and valid calls to mlx-lm's parser; `bad` ones refused."""
     model_dir = build(fmt)
     tok = _tok(model_dir)
-    msg = tf.request(parallel=parallel)
-    lark = tool_choice.grammar(tok, tf.TOOLS, "required", parallel)
+    msg = tf.request(parallel=parallel, tools=tools)
+    lark = tool_choice.grammar(tok, msg.tools, "required", parallel)
     assert lark is not None
     for text in good:
         assert _accepts(model_dir, lark, text), text
-        assert tf.verify(tok, msg, text) is None, (text, tf.verify(tok, msg, text))
+        why = tf.verify(tok, msg, text.replace(SPLIT, ""))
+        assert why is None, (text, why)
     for text in bad:
         assert not _accepts(model_dir, lark, text), text
 
@@ -157,10 +164,10 @@ def test_qwen3_coder_strings_are_any_text_the_parser_reads_back(build):
             ),
         ],
         bad=[
-            _qwen(weather + _p("city", "a</parameter>b") + _p("days", "3")),
+            _qwen(weather + _p("city", "</parameter>") + _p("days", "3")),
             _qwen(weather + _p("city", "null") + _p("days", "3")),
             _qwen(weather + _p("city", "NuLL") + _p("days", "3")),
-            _qwen(weather + _p("city", "a</tool_call>") + _p("days", "3")),
+            _qwen(weather + _p("city", f"</{SPLIT}tool_call>") + _p("days", "3")),
             _qwen(weather + _p("city", "thirteen long") + _p("days", "3")),
             _qwen(weather + _p("city", "x")),  # NOTE: days is required
             _qwen(weather + _p("city", "x") + _p("days", "15")),
@@ -173,6 +180,31 @@ def test_qwen3_coder_strings_are_any_text_the_parser_reads_back(build):
             _qwen("<function=now>\n", "<function=now>\n"),  # NOTE: one call without parallel
         ],
     )  # fmt: skip
+
+
+def test_qwen3_coder_free_text_runs_to_the_first_closing_tag(build):
+    """A string without maxLength: any text, many lines, tags and JSON included, but not the
+    closing tag (the parser's value would end there), the end marker (the stream's call
+    would), or "null" in any case (the parser's None)."""
+    note = [_tool("note", {"text": {"type": "string"}}, required=["text"])]
+    call = "<function=note>\n"
+    _check(
+        build,
+        "qwen3_coder",
+        good=[
+            _qwen(call + _p("text", "line one\n\n  <b>two</b>\n</param\n<parameter=x>")),
+            _qwen(call + _p("text", '{"a": [1, 2]} and "null" and nullable </tool_cal')),
+            _qwen(call + _p("text", "")),
+        ],
+        bad=[
+            _qwen(call + _p("text", "a\n</parameter>\nb")),
+            _qwen(call + _p("text", "text </tool_call> more")),
+            _qwen(call + _p("text", f"text </{SPLIT}tool_call> more")),
+            _qwen(call + _p("text", "Null")),
+            _qwen(call),
+        ],
+        tools=note,
+    )
 
 
 def test_qwen3_coder_integers_stay_within_a_floats_exact_range(build):
