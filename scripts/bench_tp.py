@@ -10,12 +10,12 @@ CPU (two ring ranks, one core each; tiny model, ~3 minutes; both frame carriers)
   .venv/bin/python scripts/bench_tp.py --random tiny --tp 2 --concurrency 1,4,16 \\
       --max-tokens 32 --frames tcp,collective \\
       --launch-args "--max-total-tokens 16384 --context-length 1024"
-Two GPUs (the lent machine has no network: docs/distributed.md says how the wheels and the
-tokenizer files travel; each call at most 10 minutes, so the engine and mlx-lm in two calls):
-  source .whl/b/gpu-install.sh
-  NCCL_NVLS_ENABLE=0 python3 scripts/bench_tp.py --random llama-8b --random-dir /tmp/llama-8b \
-      --tokenizer .tok --tp 2 --launch-args "--max-running-requests 64" --only engine \
-      --frames tcp,collective --out $OUT/engine.json --log-dir $OUT/logs
+Two GPUs (on a host without network access, install from a wheelhouse first: docs/distributed.md,
+"Installing on a GPU host without network access"; --only runs the engine's side and mlx-lm's in
+two shorter calls):
+  NCCL_NVLS_ENABLE=0 python3 scripts/bench_tp.py --random llama-8b --random-dir /tmp/llama-8b \\
+      --tp 2 --launch-args "--max-running-requests 64" --only engine \\
+      --frames tcp,collective --out results/engine.json --log-dir results/logs
   (then the same with --only mlx-lm: the model in /tmp/llama-8b is reused)
 """
 
