@@ -4,6 +4,7 @@ text, JSON values and a list of parameters where some may be left out."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from engine.constraints import JSON_STYLE
@@ -53,7 +54,7 @@ def optional_list(name: str, items: list[tuple[str, bool]], sep: str) -> tuple[s
     inline one doubles with each optional item."""
     if not items:
         return "", []
-    n, rules = len(items), []
+    n = len(items)
     sep_lit = literal(sep)
 
     def first(i: int) -> str:
@@ -62,14 +63,26 @@ def optional_list(name: str, items: list[tuple[str, bool]], sep: str) -> tuple[s
     def after(i: int) -> str:
         return f"{name}_a{i}" if i < n else ""
 
+    bodies: dict[str, str] = {}
     for i, (item, required) in enumerate(items):
         head, tail = f"{item} {after(i + 1)}".strip(), f"{sep_lit} {item} {after(i + 1)}".strip()
         if required:
-            rules += [f"{first(i)}: {head}", f"{after(i)}: {tail}"]
+            bodies[first(i)], bodies[after(i)] = head, tail
         else:
-            rules.append(f"{first(i)}: {_or_skip(head, first(i + 1))}")
-            rules.append(f"{after(i)}: {_or_skip(tail, after(i + 1))}")
-    return first(0), rules
+            bodies[first(i)] = _or_skip(head, first(i + 1))
+            bodies[after(i)] = _or_skip(tail, after(i + 1))
+    return first(0), [f"{rule}: {bodies[rule]}" for rule in _reachable(first(0), bodies)]
+
+
+def _reachable(root: str, bodies: dict[str, str]) -> list[str]:
+    """The rules `root` uses, itself included (a required item leaves some unused)."""
+    seen, todo = [root], [root]
+    while todo:
+        for word in re.findall(r"\w+", bodies[todo.pop()]):
+            if word in bodies and word not in seen:
+                seen.append(word)
+                todo.append(word)
+    return seen
 
 
 def _or_skip(written: str, skipped: str) -> str:
