@@ -226,3 +226,38 @@ def test_the_default_model_repeating_a_text_accepts_most_proposals(default_model
     assert outs["ngram"] == outs["off"]
     s = stats["ngram"]
     assert s["spec_accepted_tokens"] > 20 and s["steps_decode"] < stats["off"]["steps_decode"] / 2
+
+
+def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp_path):
+    """`--spec ngram` through `mlx-engine launch`: a greedy request whose prompt holds what the
+    model goes on to write gets proposals, accepted and counted on /metrics; its tokens equal
+    those of the engine without it. (The scripted model writes its answer token by token, so a
+    prompt of the answer's start, twice, is continued by the rest: found in the prompt.)"""
+    import urllib.request
+
+    from engine_harness import LaunchedEngine
+    from think_model import ANSWER
+
+    from engine.client import EngineClient
+    from engine.tokenizer_loader import load_tokenizer
+
+    script = load_tokenizer(tiny_think_model_dir).encode(ANSWER, add_special_tokens=False)
+    prompt = script[:6] + script[:2]
+    kw = {"input_ids": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    outs, counts = [], {}
+    for args in ((), ("--spec", "ngram")):
+        engine = LaunchedEngine(tiny_think_model_dir, tmp_path / f"{len(args)}.log", *args)
+        try:
+            engine.wait_ready()
+            with EngineClient(engine.address, timeout=60) as client:
+                outs.append(client.generate(**kw).token_ids)
+            with urllib.request.urlopen(engine.http + "/metrics", timeout=30) as r:
+                lines = r.read().decode().splitlines()
+        finally:
+            engine.stop()
+        counts = {
+            ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("mlx_engine_spec")
+        }
+    assert outs[0] == outs[1] == script[2:6]
+    assert counts["mlx_engine_spec_proposed_tokens_total"] > 0, counts
+    assert counts["mlx_engine_spec_accepted_tokens_total"] > 0, counts

@@ -52,6 +52,8 @@ STATS = (
     _counter("steps_launched", "Model steps launched on the device"),
     _counter("steps_prefill", "Steps whose forward ran prompt chunks"),
     _counter("steps_chained", "Steps launched on the step before's lazy tokens (overlap loop)"),
+    _counter("spec_proposed_tokens", "Tokens proposed by speculative decoding (--spec)"),
+    _counter("spec_accepted_tokens", "Proposed tokens the model's own step accepted"),
     _counter("requests_received", "Generation requests received"),
     _counter("requests_rejected", "Requests refused with an error"),
 )
