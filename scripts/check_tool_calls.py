@@ -53,9 +53,10 @@ def check(sampler: Any, label: str, mode: str, samples: int, max_tokens: int) ->
     limit = PARALLEL_TOKENS if mode == "parallel" else max_tokens
     form = "generic" if tool_choice.generic_form(msg, sampler.tokenizer) else "native"
     t0 = time.perf_counter()
-    failed, cut = [], 0
+    failed, cut, texts = [], 0, set()
     for seed, start in enumerate(range(0, samples, 256)):
         for end, text in sampler.sample(msg, min(256, samples - start), limit, seed=seed):
+            texts.add(text)
             if end == "length":
                 cut += 1
                 continue
@@ -65,7 +66,7 @@ def check(sampler: Any, label: str, mode: str, samples: int, max_tokens: int) ->
     valid = samples - cut - len(failed)
     print(
         f"{label} {mode} ({form} form): {samples} samples, {valid} valid, {len(failed)} failed, "
-        f"{cut} cut at {limit} tokens ({time.perf_counter() - t0:.0f} s)",
+        f"{cut} cut at {limit} tokens, {len(texts)} distinct ({time.perf_counter() - t0:.0f} s)",
         flush=True,
     )
     for why, text in failed[:5]:
