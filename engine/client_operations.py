@@ -62,6 +62,12 @@ class Operations(Generic[Answer]):
     def get_model_info(self, *, timeout: float | None = None) -> Answer:
         return self._operate(ops.GetModelInfo(), timeout)
 
+    def get_cached_blocks(self, *, timeout: float | None = None) -> Answer:
+        """The prefix cache's blocks as KV events name them: `block_hashes` (sorted),
+        `block_size`, and `kv_events_seq`, the last event batch's sequence number (-1: none
+        yet, or events off); a subscriber that applied batches up to it holds the same set."""
+        return self._operate(ops.GetCachedBlocks(), timeout)
+
 
 def wait_for(timeout: float | None) -> float:
     return OPERATION_WAIT_S if timeout is None else timeout

@@ -92,6 +92,21 @@ class EngineConfig:
     max_queued_requests: int = _opt(1024, "Requests waiting beyond this get Overloaded")
     disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
     disable_radix_cache: bool = _opt(False, "Turn off the radix prefix cache (reuse of shared KV)")
+    kv_events_endpoint: str | None = _opt(
+        None,
+        "Publish the prefix cache's KV events (vLLM's ZMQ format: BlockStored, BlockRemoved, "
+        "AllBlocksCleared) for KV-aware routers: tcp://*:PORT and ipc://PATH bind, "
+        "tcp://HOST:PORT connects to a subscriber that binds; off by default",
+    )
+    kv_events_replay_endpoint: str | None = _opt(
+        None, "Where subscribers ask for missed KV event batches (bound), e.g. tcp://*:5558"
+    )
+    kv_events_topic: str = _opt("", "The topic frame of every KV event message")
+    kv_events_format: str = _opt(
+        "array",
+        "KV events' layout: array (each event a positional array, vLLM's first layout) or map "
+        "(each event a map, vLLM's later one)",
+    )
     cpu_blas: str = _opt("auto", "Linux CPU BLAS: auto (OpenBLAS if found), reference, or a path")
     cpu_dequantize: str = _opt("auto", "CPU: dequantize weights to float32 at load: auto, on, off")
     warmup: str = _opt(
@@ -283,9 +298,26 @@ class EngineConfig:
             _check_adapter_dir(self.adapter_path)
             if self.tp > 1 or self.tp_hostfile:
                 raise ValueError("--adapter-path with tensor parallel is not supported yet")
+        self._check_kv_events()
         if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_format not in ("array", "map"):
+            raise ValueError(f"kv_events_format must be array or map, got {self.kv_events_format}")
+        if not self.kv_events_endpoint:
+            if self.kv_events_replay_endpoint:
+                raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--kv-events-endpoint needs the radix cache (its events)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(
+                    f"{name} must be a tcp://, ipc:// or inproc:// address, got {value}"
+                )
 
     @classmethod
     def option_fields(cls) -> list[dataclasses.Field]:

@@ -26,6 +26,7 @@ from engine.errors import EngineError, InvalidRequest, ShuttingDown
 from engine.messages import admin as ops
 from engine.wire_errors import to_failure
 from scheduler_proc import weights
+from scheduler_proc.kv_event_log import cached_hashes
 
 log = logging.getLogger("scheduler")
 
@@ -124,6 +125,8 @@ class Admin:
             return self._flush()
         if isinstance(op, ops.GetModelInfo):
             return self._info()
+        if isinstance(op, ops.GetCachedBlocks):
+            return self._blocks()
         return self._change_model(op)
 
     def _pause(self, op: ops.PauseGeneration) -> Operation:
@@ -169,6 +172,17 @@ class Admin:
             "tp_size": self.tp_size,
             **self._cache_stats(),
         }
+        yield  # NOTE: unreachable; makes this a generator like the rest
+
+    def _blocks(self) -> Operation:
+        """Read between steps: the tree as the events published up to `kv_events_seq` left it."""
+        kv = self.sched.kv
+        if kv.events is not None:
+            kv.events.publish()  # NOTE: what this iteration recorded gets its number first
+        page = kv.pages.page_size
+        hashes = cached_hashes(kv.prefix.tree, page) if kv.prefix is not None else []
+        seq = kv.events.seq if kv.events is not None else -1
+        return {"block_hashes": hashes, "block_size": page, "kv_events_seq": seq}
         yield  # NOTE: unreachable; makes this a generator like the rest
 
     def _cache_stats(self) -> Info:

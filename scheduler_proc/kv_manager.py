@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from scheduler_proc.kv_cache import KVPool, token_slots
+from scheduler_proc.kv_event_log import KVEventLog
 from scheduler_proc.pages import PageAllocator
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Req
@@ -34,6 +35,7 @@ class KVManager:
         # NOTE: models with rings or recurrent state: a hit also restores the slot (snapshots).
         slotted = any(r is not None for r in pool.rings) or bool(pool.states)
         self.snapshots = SlotSnapshots(pool, snapshots) if prefix and slotted else None
+        self.events: KVEventLog | None = None  # NOTE: --kv-events-endpoint (kv_publisher.py)
         # NOTE: token copies (src, dst) held until a seating pass ends (`one_pass`); None: none
         # is running, a seat writes its own at once.
         self._copies: tuple[list[int], list[int]] | None = None
@@ -235,6 +237,11 @@ class KVManager:
             out |= self.prefix.stats()
         if self.snapshots is not None:
             out |= {"prefix_cache_snapshots": len(self.snapshots)}
+        if self.events is not None:
+            out |= {
+                "kv_events_batches": self.events.seq + 1,
+                "kv_events_dropped": self.events.dropped,
+            }
         return out
 
 

@@ -89,6 +89,7 @@ class SchedulerLoop:
         model_dir: Path,
     ) -> None:
         from scheduler_proc.admin import Admin
+        from scheduler_proc.kv_publisher import open_kv_events
 
         ctx: zmq.Context = zmq.Context.instance()
         self.sched = scheduler
@@ -96,6 +97,7 @@ class SchedulerLoop:
         self.inbox: PullQueue[ToScheduler] = PullQueue(ctx, endpoints.scheduler, ToScheduler)
         self.outbox: PushQueue[ToDetokenizer] = PushQueue(ctx, endpoints.detokenizer, ToDetokenizer)
         self.admin = Admin(scheduler, scheduler.config, model_dir, self.outbox.put)
+        self.kv_events = open_kv_events(scheduler.config, scheduler.kv)
         self.drain = Draining()
         self._last_tick = 0.0
         self.idle = IdleClock()
@@ -113,6 +115,8 @@ class SchedulerLoop:
             else:
                 self.idle.idle(self.sched)
             self.admin.poll()  # NOTE: after the step's outputs: an answer follows them
+            if self.kv_events is not None:  # NOTE: after the step is queued: the device runs it
+                self.kv_events.publish()
         self._exit()
 
     def _should_exit(self) -> bool:
@@ -167,6 +171,8 @@ class SchedulerLoop:
         self._send(self.sched.last_outputs())
         mx.synchronize()
         self.outbox.put(SchedulerExited())
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.inbox.close()
         self.outbox.close()
         log.info("scheduler loop exited; stats: %s", self.sched.stats())

@@ -138,6 +138,8 @@ class PrefixCache:
         before = self.tree.total_tokens
         while freed := self.tree.evict(self.tree.total_tokens):
             self._ref(freed, -1)
+        if self.tree.observer is not None:
+            self.tree.observer.flushed()
         return before - self.tree.total_tokens
 
     def _ref(self, slots: list[int], sign: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class Node:
@@ -54,10 +55,27 @@ class Hit:
     released: bool = False
 
 
+class TreeObserver(Protocol):
+    """Told of every change to the tree's token prefixes (KV events: kv_event_log.py)."""
+
+    def inserted(self, leaf: Node, tokens: list[int]) -> None:
+        """`leaf` was added at the end of the path `tokens` (the whole prefix, leaf included)."""
+
+    def split(self, upper: Node, lower: Node) -> None:
+        """A node was cut in two: `upper` (new) now holds its first tokens, `lower` the rest."""
+
+    def removed(self, leaf: Node) -> None:
+        """`leaf` was evicted."""
+
+    def flushed(self) -> None:
+        """A flush evicted every unlocked span (`PrefixCache.flush`)."""
+
+
 class RadixCache:
     def __init__(self) -> None:
         self.root = Node([], [], None)
         self.root.ref = 1  # NOTE: the root is never evicted
+        self.observer: TreeObserver | None = None  # NOTE: KV events, when on
         self.total_tokens = 0
         self.locked_tokens = 0
         self.evicted_tokens = 0
@@ -97,6 +115,8 @@ class RadixCache:
             leaf.last_used = self._now  # NOTE: same age as its path, so parents never age first
             m.node.children[tokens[m.length]] = leaf
             self.total_tokens += len(leaf)
+            if self.observer is not None:
+                self.observer.inserted(leaf, tokens)
         return m.length
 
     # -- references --------------------------------------------------------------------------
@@ -135,6 +155,8 @@ class RadixCache:
         del leaf.parent.children[leaf.tokens[0]]
         self.total_tokens -= len(leaf)
         self.evicted_tokens += len(leaf)
+        if self.observer is not None:
+            self.observer.removed(leaf)
         return leaf.slots
 
     def _split(self, child: Node, k: int) -> Node:
@@ -144,6 +166,8 @@ class RadixCache:
         upper.children[child.tokens[k]] = child
         child.parent.children[child.tokens[0]] = upper
         child.tokens, child.slots, child.parent = child.tokens[k:], child.slots[k:], upper
+        if self.observer is not None:
+            self.observer.split(upper, child)
         return upper
 
     def nodes(self):

@@ -38,6 +38,7 @@ from engine.messages.to_tokenizer import Heartbeat, SchedulerStats
 from scheduler_proc import loop_rules
 from scheduler_proc.admin import Admin
 from scheduler_proc.broadcast import Channel
+from scheduler_proc.kv_publisher import open_kv_events
 from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_WAIT_S, Draining
 
 log = logging.getLogger("scheduler")
@@ -99,6 +100,8 @@ class ReplicatedLoop:
         # NOTE: every rank runs the operations (they change state); rank 0 alone answers.
         model = model_dir or Path(scheduler.config.model or "")
         self.admin = Admin(scheduler, scheduler.config, model, self._tell, tp_size=bcast.size)
+        # NOTE: every rank holds the same prefix cache: rank 0 alone publishes its events.
+        self.kv_events = open_kv_events(scheduler.config, scheduler.kv) if links else None
 
     def run(self) -> None:
         self.dog.arm("a step", self.step_timeout)
@@ -138,6 +141,8 @@ class ReplicatedLoop:
         self._wait_s += time.perf_counter() - t0
         exit_now = self._apply(cmds)
         self.admin.poll()  # NOTE: on every rank after the same commands: the same state
+        if self.kv_events is not None:
+            self.kv_events.publish()
         return exit_now
 
     # -- rank 0: inbox and time --------------------------------------------------------------
@@ -234,6 +239,8 @@ class ReplicatedLoop:
         mx.synchronize()
         self._tell(SchedulerExited())
         self.bcast.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.links is not None:
             self.links.close()
         log.info("rank %d: scheduler loop exited", self.rank)

@@ -51,7 +51,7 @@ DEFAULT_TESTS = (
     "tests/test_fair_admission.py",
     "tests/test_burst.py",
     "tests/test_operations.py",
-    "tests/test_spec_decode.py",
+    "tests/test_kv_events.py",
 )
 MIN_TIMEOUT_S = 600.0
 DEADLINE_TEXT = "the test ran past its deadline"  # tests/engine_harness.py `deadline`
@@ -442,6 +442,31 @@ BUGS = (
         "scheduler_proc/admin.py",
         "            while sched.running_requests():\n                yield\n",
         "            sched.abort_all()\n",
+    ),
+    # -- KV events ------------------------------------------------------------------------------
+    Bug(
+        "KV events: the eviction of a one-page leaf is never told (no BlockRemoved)",
+        "scheduler_proc/kv_event_log.py",
+        "        if not hashes:\n            return\n",
+        "        if len(hashes) < 2:\n            return\n",
+    ),
+    Bug(
+        "KV events: a split gives the page at the cut to the wrong half",
+        "scheduler_proc/kv_event_log.py",
+        "n = cut // p - span.start // p",
+        "n = (cut - 1) // p - span.start // p",
+    ),
+    Bug(
+        "KV events: a flush clears everything while a running request's prefix stays cached",
+        "scheduler_proc/kv_event_log.py",
+        "if self.tree.total_tokens == 0:",
+        "if self.tree.total_tokens >= 0:",
+    ),
+    Bug(
+        "KV events: stored pages chained to the wrong parent (two pages back)",
+        "scheduler_proc/kv_event_log.py",
+        "parent = self._hash_of(leaf.parent, first - 1)",
+        "parent = self._hash_of(leaf.parent, first - 2)",
     ),
 )
 

@@ -61,6 +61,11 @@ class GetModelInfo(Message):
     pass
 
 
+class GetCachedBlocks(Message):
+    """The hashes of every whole page the prefix cache holds (KV events' blocks), and the
+    sequence number of the last KV event batch, which brought a subscriber to this state."""
+
+
 AdminOp = (
     PauseGeneration
     | ContinueGeneration
@@ -69,6 +74,7 @@ AdminOp = (
     | UnloadAdapter
     | FlushCache
     | GetModelInfo
+    | GetCachedBlocks
 )
 # NOTE: operations that change what the model computes: they wait for running requests, then the
 # prefix cache is flushed (its KV was computed by the model before).
