@@ -144,6 +144,11 @@ class EngineConfig:
     )
     spec_k: int = _opt(8, "Most tokens a row proposes a step (--spec); its own k adapts")
     spec_ngram: int = _opt(3, "Longest n-gram --spec ngram matches (then shorter, down to 2)")
+    spec_max_rows: int = _opt(
+        8,
+        "Most decoding rows a step may have and still speculate (--spec): a larger batch is "
+        "compute-bound, and a speculating row breaks the overlap chain",
+    )
     shutdown_grace: float = _opt(10.0, "Seconds running requests may finish after a shutdown")
     max_frame_bytes: int = _opt(
         8 << 20, "Largest client frame (bytes); 4x this drops the connection"
@@ -262,10 +267,11 @@ class EngineConfig:
             raise ValueError(
                 f"reasoning_parser must be auto, harmony or none, got {self.reasoning_parser}"
             )
-        if self.spec not in ("off", "ngram") or self.spec_k < 1 or self.spec_ngram < 1:
+        sizes = (self.spec_k, self.spec_ngram, self.spec_max_rows)
+        if self.spec not in ("off", "ngram") or min(sizes) < 1:
             raise ValueError(
-                f"spec must be off or ngram, spec_k and spec_ngram >= 1, got {self.spec}, "
-                f"{self.spec_k}, {self.spec_ngram}"
+                "spec must be off or ngram, spec_k, spec_ngram and spec_max_rows >= 1, got "
+                f"{self.spec}, {sizes}"
             )
         if self.prefill_attention not in ("auto", "ops", "fast"):
             raise ValueError(

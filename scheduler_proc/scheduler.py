@@ -428,7 +428,7 @@ class Scheduler:
         if any(r.force_next is not None for r in cur.rows):
             return False
         # NOTE: a speculating row's next input is the last token its step accepts
-        if cur.proposals is not None or any(self.spec.active(r) for r in cur.rows):
+        if cur.proposals is not None or self.spec.breaks_chain(cur.decode):
             return False
         if self.running.prefilling() and not self._prefill_chains(cur):
             return False

@@ -130,6 +130,38 @@ def test_speculating_streams_survive_preemption(llama, oracle, overlap):
     assert_pages_balanced(sched)
 
 
+def test_a_batch_past_spec_max_rows_keeps_its_chain_and_does_not_speculate(
+    llama, oracle, monkeypatch
+):
+    """More decoding rows than `--spec-max-rows`: no row speculates and the overlap loop chains
+    as without speculation (at 128 agents on a GPU every row speculating cost 4x the step
+    time); once the batch is small again, the rows speculate; every stream is mlx-lm's."""
+    rng = random.Random(5)
+    short = [random_prompt(rng, 20 + i) for i in range(4)]
+    long = random_prompt(rng, 24)
+    for p in short:
+        oracle[tuple(p)] = reference_greedy(llama, p, 8)
+    oracle[tuple(long)] = reference_greedy(llama, long, 40)
+    sched = _spec(llama, page_size=4, spec_max_rows=2)
+    planned: list[int] = []  # NOTE: the decode rows of each step that speculated
+    plan = speculate.Speculator.plan
+
+    def recorded(self, rows, kv):
+        out = plan(self, rows, kv)
+        planned.extend([len(rows)] if out is not None else [])
+        return out
+
+    monkeypatch.setattr(speculate.Speculator, "plan", recorded)
+    arrivals = [(f"s{i}", p, greedy(8)) for i, p in enumerate(short)] + [("l", long, greedy(40))]
+    outs = drive(sched, {0: arrivals})
+    for rid, prompt, params in arrivals:
+        assert tokens(outs[rid]) == oracle[tuple(prompt)][: params.max_tokens], rid
+    stats = sched.stats()
+    assert stats["steps_chained"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert planned and max(planned) <= 2, planned
+    assert_pages_balanced(sched)
+
+
 def test_speculating_streams_after_prefix_hits(llama, oracle):
     """A turn that hits the cached prefix of the one before (its prompt and output) speculates;
     its stream is mlx-lm's."""
