@@ -201,7 +201,8 @@ def test_reasoning_tokens_are_the_analysis_messages():
 def test_the_sdk_gets_the_split_of_the_chat_route():
     """An SDK chat's chunks: the thought in `reasoning`, the answer in `text`, the calls in
     `tool_calls` (`reply_split.for_sdk`), a marker cut between chunks held back."""
-    gen = Generate("r", messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    gen = Generate("r", messages=[{"role": "user", "content": "hi"}], tools=tools)
     markers = Markers(ANALYSIS, END, (1,), (2,), harmony=True)
     split = for_sdk(gen, SimpleNamespace(has_tool_calling=False), markers)
     assert split is not None

@@ -280,7 +280,7 @@ BAD = [
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"stop": 5}, "stop"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # no tool template
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),

@@ -361,6 +361,16 @@ def test_bare_json_calls_are_calls_and_anything_else_content(pieces, content, ca
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found] == calls
 
 
+def test_bad_tools_through_the_sdk_on_a_model_without_a_format_are_refused(plain):
+    """The bare-JSON parser reads the tools' names: malformed tools are refused, named, before
+    it is built (a KeyError there would have left the call unanswered)."""
+    with EngineClient(plain.address, timeout=30.0) as client:
+        with pytest.raises(InvalidRequest) as e:
+            client.generate(messages=ASK, tools=[{"type": "function"}], max_tokens=2)
+        assert e.value.field == "tools"
+        assert client.generate(messages=ASK, tools=TWO, max_tokens=2).finish_reason
+
+
 def test_the_generic_form_tells_a_model_without_tools_of_them(plain, tiny_model_dir):
     """Its template cannot show tools, so the system message names them (the prompt grows by
     their specs), and the SDK gets the parsed calls too."""

@@ -71,9 +71,10 @@ class Admission:
     def splitter(self, msg: Generate) -> ReplySplit | None:
         """An SDK request's reasoning and tool-call split (`reply_split.for_sdk`); `begin` it
         with `opens_inside` once the prompt is known."""
-        # NOTE: tools that are no list are refused by `admit`, named
-        if self.tokenizer is None or (msg.tools is not None and not isinstance(msg.tools, list)):
+        if self.tokenizer is None:
             return None
+        if msg.tools is not None:
+            tool_choice.check_tools(msg.tools)  # NOTE: before a parser reads them (400, named)
         return reply_split.for_sdk(msg, self.tokenizer, self.markers)
 
     def opens_inside(self, ids: list[int]) -> bool:
