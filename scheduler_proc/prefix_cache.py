@@ -57,17 +57,36 @@ class PrefixCache:
 
     def layout(self, hit: Hit) -> list[int | list[int]]:
         """Per page of the hit, in order: a page id to share whole, or the token slots to copy
-        into a page of the request's own."""
+        into a page of the request's own (the hit's last page, when it ends inside one).
+
+        A full page of the hit whose tokens two requests wrote (one's hit ended inside it, the
+        other computed the rest) is shared whole too: the page of its last token. A token's slot
+        always sits at its position's offset in a page, and a request's page holds every
+        position up to its last token: the ones before were computed there, or copied there at
+        the same offsets when its own hit ended inside the page. So that page holds all of
+        them, for the same tokens (the tree's path to them). Copying such pages instead cost
+        every agent's later turn a copy (its system prompt's hit ends inside a page).
+        """
         p, slots = self.page_size, hit.slots
         out: list[int | list[int]] = []
         for k in range(-(-hit.length // p)):
             block = slots[k * p : (k + 1) * p]
-            whole = len(block) == p and block[0] % p == 0
-            if whole and block == list(range(block[0], block[0] + p)):
-                out.append(block[0] // p)
+            if len(block) == p and all(s % p == i for i, s in enumerate(block)):
+                out.append(block[-1] // p)
             else:
                 out.append(block)
         return out
+
+    def shared_whole(self, hit: Hit, blocks: list[int | list[int]]) -> list[int | list[int]]:
+        """`blocks` (`layout(hit)`) up to the first page not shared whole, the hit cut to
+        match: nothing to copy (the rest, under a page, is computed again)."""
+        whole = 0
+        while whole < len(blocks) and isinstance(blocks[whole], int):
+            whole += 1
+        n = min(hit.length, whole * self.page_size)
+        self.hit_tokens -= hit.length - n
+        hit.length, hit.slots = n, hit.slots[:n]
+        return blocks[:whole]
 
     def unhit(self, hit: Hit) -> None:
         """An acquired hit the request did not take (it was not admitted)."""

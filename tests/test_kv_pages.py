@@ -141,12 +141,13 @@ def cached_length(cached: dict[tuple[int, ...], int], tokens: list[int], limit: 
 
 
 def whole_pages(slots: list[int], p: int) -> list[int | None]:
-    """Per page-aligned block of a hit: the page it lies in whole, or None (to copy)."""
+    """Per page-aligned block of a hit: the page shared whole (a full block: the page of its
+    last token, whose writer holds every position before it), or None (to copy). Whether that
+    page holds the right KV is `check`'s to see."""
     out: list[int | None] = []
     for k in range(-(-len(slots) // p)):
         block = slots[k * p : (k + 1) * p]
-        whole = block == list(range(block[0] // p * p, block[0] // p * p + p))
-        out.append(block[0] // p if whole else None)
+        out.append(block[-1] // p if len(block) == p else None)
     return out
 
 
@@ -382,7 +383,8 @@ def test_random_interleavings(seed: int, page_size: int) -> None:
 
 
 def test_the_walk_reaches_the_interesting_cases() -> None:
-    """The random walk shares pages, copies partial and straddled ones, refuses and preempts."""
+    """The random walk shares pages (straddled ones too: two requests wrote them), copies
+    partial ones, refuses and preempts."""
     seen: Counter[str] = Counter()
     for page_size in (2, 4):
         for seed in range(6):
@@ -397,7 +399,11 @@ def test_the_walk_reaches_the_interesting_cases() -> None:
                     blocks = walk.kv.prefix.layout(req.hit)
                     seen["shared"] += sum(isinstance(b, int) for b in blocks)
                     seen["partial"] += sum(isinstance(b, list) and len(b) < p for b in blocks)
-                    seen["straddled"] += sum(isinstance(b, list) and len(b) == p for b in blocks)
+                    slots = req.hit.slots
+                    pages = [{s // p for s in slots[k : k + p]} for k in range(0, len(slots), p)]
+                    seen["straddled"] += sum(
+                        isinstance(b, int) and len(pages[k]) > 1 for k, b in enumerate(blocks)
+                    )
                 else:
                     seen["refused"] += 1
 
@@ -462,7 +468,9 @@ def test_a_partly_filled_page_is_copied_on_write(extra: list[int]) -> None:
     check(kv, pool, [])
 
 
-def test_a_straddled_page_is_copied_not_shared() -> None:
+def test_a_straddled_page_is_shared_from_its_last_writer() -> None:
+    """A full page whose positions two requests wrote (one's hit ended inside it) is shared
+    whole: the later writer's page holds every position of it (`PrefixCache.layout`)."""
     kv, pool = make_manager(12, 4)
     x = [5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 0, 2]
     _run_and_retire(kv, pool, x[:6])  # its second page holds positions 4, 5 of `x`
@@ -477,10 +485,10 @@ def test_a_straddled_page_is_copied_not_shared() -> None:
     c = make_req("c", x)
     assert kv.seat(c, reserve=0) and c.kv_len == 10
     layout = kv.prefix.layout(c.hit)
-    assert isinstance(layout[0], int) and isinstance(layout[1], list) and len(layout[1]) == 4
+    assert isinstance(layout[0], int) and isinstance(layout[1], int) and len(layout[2]) == 2
     assert c.pages[0] == cached[(x[0],)] // 4, "the whole first page is shared"
-    assert c.pages[1] not in {s // 4 for s in block}, "the straddled page is the request's own"
-    assert kv.pages.refs(c.pages[1]) == 1
+    assert c.pages[1] == block[-1] // 4, "the straddled page is b's, which wrote it last"
+    assert kv.pages.refs(c.pages[1]) >= 2, "shared: the tree and c"
     check(kv, pool, [c])
     compute(kv, pool, [c], c, c.fill_len)
     assert {k: s for k, s in check(kv, pool, [c]).items() if k in cached} == cached
@@ -489,13 +497,15 @@ def test_a_straddled_page_is_copied_not_shared() -> None:
 
 def test_layout_shares_only_whole_aligned_pages() -> None:
     """Through the manager every cached token sits at its position's page offset; a hit handed
-    to `layout` directly shows a contiguous run off a page boundary is copied, not shared."""
+    to `layout` directly shows a run off its offsets is copied, not shared, and a full page of
+    two writers is the last writer's."""
     kv, _ = make_manager(8, 4)
     root = kv.prefix.tree.root
     aligned = kv.prefix.layout(Hit(6, [8, 9, 10, 11, 12, 13], root))
     assert aligned == [2, [12, 13]]
     assert kv.prefix.layout(Hit(4, [2, 3, 4, 5], root)) == [[2, 3, 4, 5]]
-    assert kv.prefix.layout(Hit(4, [8, 9, 14, 15], root)) == [[8, 9, 14, 15]]
+    assert kv.prefix.layout(Hit(4, [8, 9, 14, 15], root)) == [3]
+    assert kv.prefix.layout(Hit(4, [8, 9, 15, 14], root)) == [[8, 9, 15, 14]]
 
 
 @pytest.mark.parametrize("reason", ["stop", "error"])
