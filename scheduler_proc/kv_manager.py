@@ -1,8 +1,9 @@
 """Pages for requests: admission by free pages, a page more as decode grows, release.
 
-The scheduler calls it only while no step is in flight, except `grow` for a chained decode step,
-which takes a free page and nothing else (no eviction: a page a step in flight reads is never
-free). Admission asks for the pages of the whole fill (prompt, or prompt + output after a
+The scheduler calls it while no step is in flight, except `grow` for a chained decode step,
+which takes a free page and nothing else, and, where a row is its pages alone, `seat(in_flight=
+True)` and `release`/`publish` (`Scheduler._move_in_flight`): a page freed or evicted there is
+read by no step in flight, and its next owner's writes are queued after them. Admission asks for the pages of the whole fill (prompt, or prompt + output after a
 preemption) less the prefix hit's shared pages, plus a reserve of one page per decoding request
 so running requests can grow; when decode still runs out, the scheduler preempts the newest
 request (`RunningTable.newest`), whose pages come back here.
@@ -57,8 +58,11 @@ class KVManager:
             (src, dst), self._copies = self._copies, outer
             self._copy(src, dst)
 
-    def seat(self, req: Req, reserve: int) -> bool:
-        """Give `req` its pages (a cached prefix shared) if they fit beside `reserve` pages."""
+    def seat(self, req: Req, reserve: int, in_flight: bool = False) -> bool:
+        """Give `req` its pages (a cached prefix shared) if they fit beside `reserve` pages.
+
+        `in_flight`: a step is in flight, so nothing waits for the device: the hit keeps only
+        the pages it shares whole (a copy evaluates its reads) and the pool does not grow."""
         assert req.slot is not None, f"{req.rid}: admitted without a slot"
         hit = None
         blocks: list[int | list[int]] = []
@@ -66,10 +70,12 @@ class KVManager:
             limit = 0 if req.wants_prompt_logprobs else req.fill_len - 1
             hit = self.prefix.acquire(req.fill_ids, limit, self._boundary(req))
             blocks = self.prefix.layout(hit)
+            if in_flight:
+                blocks = self.prefix.shared_whole(hit, blocks)
             req.snap_at = self._snap_point(req, hit.length)
         total = self.pool.pages_for(req.fill_len)
         shared = sum(isinstance(b, int) for b in blocks)
-        if not self.room(total - shared + reserve):
+        if not self.room(total - shared + reserve, grow=not in_flight):
             if hit is not None and self.prefix is not None:
                 self.prefix.unhit(hit)
             return False
@@ -185,17 +191,18 @@ class KVManager:
             self.snapshots.clear()
         return self.prefix.flush() if self.prefix is not None else 0
 
-    def room(self, n: int) -> bool:
-        """Whether `n` pages are free: the pool grows first (doubling, up to its capacity), then
-        cached spans nobody runs on are evicted; nothing is evicted when even that could not
-        free enough."""
+    def room(self, n: int, grow: bool = True) -> bool:
+        """Whether `n` pages are free: the pool grows first (doubling, up to its capacity;
+        `grow`), then cached spans nobody runs on are evicted; nothing is evicted when even
+        that could not free enough."""
         short = n - self.pages.available
         if short <= 0:
             return True
-        if not self.could_free(n):
+        if not self.could_free(n, grow):
             return False
         pool = self.pool
-        self.pages.add(pool.grow(max(pool.pages + short, 2 * pool.pages)))
+        if grow:
+            self.pages.add(pool.grow(max(pool.pages + short, 2 * pool.pages)))
         if self.pages.available >= n:
             return True
         if self.prefix is None:
@@ -214,11 +221,11 @@ class KVManager:
         self.pages.shrink(size)
         return pool.shrink(size)
 
-    def could_free(self, n: int) -> bool:
-        """Whether `n` pages are free or could be: the pool's room to grow and the pages only
-        the cache holds count."""
-        grow = self.pool.capacity - self.pool.pages
-        return self.pages.available + grow + self.pages.cache_only >= n
+    def could_free(self, n: int, grow: bool = True) -> bool:
+        """Whether `n` pages are free or could be: the pool's room to grow (`grow`) and the
+        pages only the cache holds count."""
+        more = self.pool.capacity - self.pool.pages if grow else 0
+        return self.pages.available + more + self.pages.cache_only >= n
 
     def slots(self, req: Req, n: int) -> list[int]:
         slots: np.ndarray = token_slots(req.pages, 0, n, self.pool.page_size)

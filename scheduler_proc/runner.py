@@ -190,18 +190,23 @@ class Runner:
         return self.ladders.pad_rows(len(batch.rows))
 
     def chained_inputs(self, prev: Batch, batch: Batch) -> mx.array:
-        """A chained step whose rows are `prev`'s then prompts joining (`batch.joined`): each
-        row's input (`prev`'s lazy tokens, the prompts' last fill tokens), and `batch.sampler`
-        built for these rows, `prev`'s one token further (its tokens are in flight). Only for
-        rows without penalties: their counts would need `prev`'s tokens on the host."""
+        """A chained step whose rows are some of `prev`'s (`batch.decode`: those that go on)
+        then prompts joining (`batch.joined`): each row's input (`prev`'s lazy tokens, the
+        prompts' last fill tokens), and `batch.sampler` built for these rows, `prev`'s one token
+        further (its tokens are in flight). Only for rows without penalties: their counts would
+        need `prev`'s tokens on the host."""
         assert prev.decode_out is not None, "a launched decode step"
         n = self.decode_rows(batch)
-        rows = [replace(row_params(r), generated=len(r.output_ids) + 1) for r in prev.rows]
+        rows = [replace(row_params(r), generated=len(r.output_ids) + 1) for r in batch.decode]
         rows += [row_params(r) for r in batch.joined]
         batch.sampler = build_state(rows + [_PAD_ROW] * (n - len(rows)), self.vocab)
         assert not batch.sampler.any_penalty, "penalties need the host's counts"
         host = [r.fill_ids[-1] for r in batch.joined] + [0] * (n - len(rows))
-        ahead = prev.decode_out.tokens[: len(prev.rows)]
+        at = {id(r): i for i, r in enumerate(prev.rows)}
+        index = [at[id(r)] for r in batch.decode]
+        ahead = prev.decode_out.tokens[: len(index)]
+        if index != list(range(len(index))):  # NOTE: rows that finished at `prev` left
+            ahead = prev.decode_out.tokens[mx.array(index, dtype=mx.int32)]
         return mx.concatenate([ahead, mx.array(host, dtype=mx.int32)])
 
     def decode_inputs(self, batch: Batch) -> mx.array:

@@ -1,10 +1,11 @@
 """Who holds a row: waiting requests seated with their pages, and rows given back.
 
 Requests wait in `WaitingQueue` (fair across clients) and run in `RunningTable`'s rows, their KV
-in `KVManager`'s pages. `Seating` moves them between the two, only while no step is in flight:
+in `KVManager`'s pages. `Seating` moves them between the two, while no step is in flight:
 it seats what fits (a cached prefix shared, one page kept free per decoding request for its
 growth), gives the newest row back when decode runs out of pages, and takes one row a step from
-the client most above its share for a client below it that got none. A request that gives its
+the client most above its share for a client below it that got none. While a decode step is in
+flight it may seat too (`seat(in_flight=True)`), into free rows and pages only. A request that gives its
 row back waits at the front of the queue with its stream open, and is recomputed from prompt +
 tokens so far when it is seated again.
 """
@@ -35,15 +36,22 @@ class Seating:
     seatings: int = 0  # NOTE: `Req.seated` orders the rows: the newest gives its row first
     preempted: int = 0
 
-    def seat(self) -> None:
+    def seat(self, in_flight: bool = False) -> bool:
         """Seat what fits, fairly across clients (scheduler_proc/waiting.py). A client below
         its share of rows that gets none takes one from the client most above it (one a step,
-        so a flood is rebalanced without thrashing)."""
-        blocked = self._seat_waiting()
+        so a flood is rebalanced without thrashing).
+
+        `in_flight`: a step is in flight, so no row is given back and the pool does not grow
+        (`KVManager.seat`); returns whether a request waits that either would seat."""
+        blocked = self._seat_waiting(in_flight)
         victim = self._fair_victim(blocked) if blocked is not None else None
+        if in_flight:
+            grow = blocked is not None and self.kv.pool.pages < self.kv.pool.capacity
+            return victim is not None or grow
         if victim is not None:
             self.preempt(victim, "its client holds more than its share of rows")
             self._seat_waiting()
+        return False
 
     def seatable(self) -> bool:
         """Whether the next waiting request could be seated now (a slot, and pages by a cheap
@@ -93,14 +101,14 @@ class Seating:
         heavy = self.running.heaviest()
         return self.running.newest(heavy) if rows(heavy) > share else None
 
-    def _seat_waiting(self) -> Req | None:
+    def _seat_waiting(self, in_flight: bool = False) -> Req | None:
         """Seat what fits; returns the request that found no slot or pages (None: all were
         seated or are deferred)."""
         pending = PendingPrompts(r.fill_ids for r in self.running.prefilling())
         with self.kv.one_pass():
-            return self._seat_each(pending)
+            return self._seat_each(pending, in_flight)
 
-    def _seat_each(self, pending: PendingPrompts) -> Req | None:
+    def _seat_each(self, pending: PendingPrompts, in_flight: bool) -> Req | None:
         deferred: list[Req] = []
         rows = self.running.rows_of
         try:
@@ -112,7 +120,7 @@ class Seating:
                     if not req.finished:
                         deferred.append(req)
                     continue
-                if not self._take_pages(req):
+                if not self._take_pages(req, in_flight):
                     return req
                 req.state = State.PREFILLING
                 pending.add(req.fill_ids)
@@ -150,12 +158,12 @@ class Seating:
             return False
         return True
 
-    def _take_pages(self, req: Req) -> bool:
+    def _take_pages(self, req: Req, in_flight: bool) -> bool:
         """A slot and pages for `req`; refused (or failed), it waits at the front, holding none."""
         self.running.add(req)
         seated = False
         try:
-            seated = self.kv.seat(req, reserve=self.running.n_decode)
+            seated = self.kv.seat(req, reserve=self.running.n_decode, in_flight=in_flight)
         finally:
             if not seated:
                 self.running.release(req)

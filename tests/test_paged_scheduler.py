@@ -439,8 +439,8 @@ def test_admission_leaves_a_page_for_every_decoding_request(llama):
     sched = make_scheduler(llama, max_total_tokens=48 * 16, page_size=16, disable_radix_cache=True)
     admit, seen = sched.kv.seat, []
 
-    def watched(req, reserve):
-        ok = admit(req, reserve)
+    def watched(req, reserve, in_flight=False):
+        ok = admit(req, reserve, in_flight)
         if ok:
             seen.append((sched.kv.pages.available, sched.running.n_decode))
         return ok
@@ -659,3 +659,57 @@ def test_a_prompt_aborted_while_it_prefills_beside_the_chain_runs_no_more_chunks
     assert outs["long"][-1].finish_reason == "abort"
     assert outs["s"][-1].finish_reason == "length"
     assert_pages_balanced(sched)
+
+
+def _agents(sched: Scheduler, model, agents: int, turns: int) -> dict[str, int]:
+    """`agents` conversations on one system prompt, each turn sent when the one before ended:
+    the last prompt, its reply and a new message. Every reply is mlx-lm's; returns the chain
+    breaks by reason."""
+    rng = random.Random(agents)
+    system = random_prompt(rng, 50)
+    prompts = {f"a{i}": system + random_prompt(rng, 5 + 3 * i) for i in range(agents)}
+    lengths = {rid: 4 + i % 7 for i, rid in enumerate(prompts)}
+    turn = dict.fromkeys(prompts, 0)
+    got: dict[str, list[int]] = {}
+    for rid, prompt in prompts.items():
+        sched.submit(f"{rid}.0", prompt, greedy(lengths[rid]))
+    for _ in range(20_000):
+        if not sched.has_work():
+            break
+        for out in sched.step():
+            got.setdefault(out.rid, []).extend(out.token_ids)
+            if out.finish_reason is None:
+                continue
+            rid, n = out.rid.split(".")[0], turn[out.rid.split(".")[0]]
+            prompt = prompts[rid]
+            assert got[out.rid] == reference_greedy(model, prompt, lengths[rid]), out.rid
+            if n + 1 < turns:
+                prompts[rid] = prompt + got[out.rid] + random_prompt(rng, 7)
+                turn[rid] = n + 1
+                sched.submit(f"{rid}.{n + 1}", prompts[rid], greedy(lengths[rid]))
+    assert all(n == turns - 1 for n in turn.values()) and not sched.has_work()
+    assert_pages_balanced(sched)
+    stats = sched.stats()
+    return {k.removeprefix("chain_breaks_"): v for k, v in stats.items() if "chain_breaks" in k}
+
+
+def test_agents_turn_after_turn_keep_the_chain(llama):
+    """With prompts in the chain, rows move while a step is in flight: a finished turn gives
+    its row back and the next turn is seated (its prefix hit shares every full page, a page two
+    requests wrote included) without breaking the chain, and every reply is mlx-lm's. Before,
+    each turn broke the chain twice (its finish, then its successor's seating)."""
+    sched = make_scheduler(llama, page_size=8, chunked_prefill_size=16, prefill_in_chain="on")
+    breaks = _agents(sched, llama, agents=6, turns=4)
+    assert breaks["seat"] + breaks["finish"] <= 2, breaks
+    stats = sched.stats()
+    assert stats["steps_chained"] >= 0.8 * stats["steps_launched"], stats
+
+
+def test_agents_replies_are_mlx_lms_off_the_chain(llama):
+    """The same agents where prompts stay off the chain (the CPU's and Metal's default), and
+    with no overlap: rows finish in flight, seats wait for a break; every reply is mlx-lm's."""
+    for overlap in (True, False):
+        sched = make_scheduler(
+            llama, page_size=8, chunked_prefill_size=16, disable_overlap=not overlap
+        )
+        _agents(sched, llama, agents=5, turns=3)

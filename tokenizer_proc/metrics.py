@@ -58,6 +58,8 @@ STATS = (
     _counter("requests_rejected", "Requests refused with an error"),
 )
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
+# NOTE: the scheduler's `BREAKS` (not imported: the front door does not load MLX)
+CHAIN_BREAKS = ("seat", "finish", "forced", "spec", "prefill", "pages")
 
 
 class Metrics:
@@ -117,4 +119,12 @@ class _Snapshot:
         for reason in FINISH_REASONS:
             finished.add_metric([reason], float(stats.get(f"finish_{reason}", 0.0)))
         yield finished
+        breaks = CounterMetricFamily(
+            PREFIX + "chain_breaks",
+            "Decode steps that did not chain in the overlap loop, by reason",
+            labels=["reason"],
+        )
+        for reason in CHAIN_BREAKS:
+            breaks.add_metric([reason], float(stats.get(f"chain_breaks_{reason}", 0.0)))
+        yield breaks
         yield from router_metrics.families(stats, self.metrics.model, self.metrics.adapter)
