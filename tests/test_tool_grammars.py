@@ -74,7 +74,7 @@ RUNS = [
 ]
 
 
-@pytest.mark.parametrize("fmt", [*tf.NATIVE, "glm47"])
+@pytest.mark.parametrize("fmt", tf.NATIVE)
 def test_sampled_forced_calls_parse_and_hold_to_their_schemas(samplers, fmt):
     """`required` with and without parallel calls, and a named tool, from a random model: every
     reply that ends is a valid call (one without parallel calls) of its tools. (The generic
@@ -251,6 +251,33 @@ def test_pythonic_values_are_python_literals_of_their_schemas(build):
     )
 
 
+def test_glm47_strings_are_raw_text_and_the_rest_json(build):
+    """A "string" parameter is its text as written, read back whole: no closing tag or end
+    marker inside, no whitespace at either end (the parser strips it); every other parameter
+    (a union with "string", an untyped enum) is JSON, which the parser reads first."""
+    tool = _tool(
+        "f",
+        {"s": {"type": "string"}, "u": {"type": ["string", "null"]}, "e": {"enum": [" x", "y"]}},
+        required=["s", "u", "e"],
+    )
+
+    def call(s: str, u: str, e: str) -> str:
+        args = [("s", s), ("u", u), ("e", e)]
+        body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args)
+        return f"<tool_call>f\n{body}</tool_call>"
+
+    good = [call("a b\nc", "null", '"y"'), call("", '"text"', '" x"')]
+    bad = [
+        call(" a", "null", '"y"'),  # NOTE: leading whitespace, which the parser strips
+        call("a ", "null", '"y"'),
+        call("a</arg_value>b", "null", '"y"'),
+        call("a</tool_call>b", "null", '"y"'),
+        call("a", "text", '"y"'),  # NOTE: a union with string is JSON
+        call("a", "null", "y"),  # NOTE: an untyped enum is JSON
+    ]
+    _check(build, "glm47", good, bad, tools=[tool])
+
+
 def test_mistral_headers_and_arrays(build):
     _check(
         build,
@@ -309,6 +336,11 @@ def _tool(name: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
         ("pythonic", _tool("f-g", {})),
         ("pythonic", _tool("f", {"x": {"type": "integer"}}, required=["y"])),
         ("mistral", _tool("f.g", {})),
+        ("glm47", _tool("f", {"s": {"type": "string", "pattern": "^a+$"}})),
+        ("glm47", _tool("f", {"s": {"type": "string", "enum": [" a", "b "]}})),
+        ("glm47", _tool("f g", {})),
+        ("glm47", _tool("{f}", {})),
+        ("glm47", _tool("f", {"a b": {"type": "integer"}})),
     ],
 )
 def test_tools_a_format_cannot_carry_take_the_generic_form(build, fmt, tool):

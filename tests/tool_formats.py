@@ -93,7 +93,6 @@ FORMATS: dict[str, Format] = {
             f"<|tool_call_start|>[{_NAME}(...)]<|tool_call_end|>",
         ),
     ),
-    # NOTE: a format without a grammar here: forced calls take the generic JSON form
     "glm47": Format(
         ("<tool_call>", "</tool_call>"),
         _template(
@@ -104,7 +103,7 @@ FORMATS: dict[str, Format] = {
 }
 # NOTE: the default model's own template, which has no tool calling: the generic form
 GENERIC = "generic"
-NATIVE = ("json_tools", "qwen3_coder", "mistral", "mistral_array", "pythonic")
+NATIVE = ("json_tools", "qwen3_coder", "mistral", "mistral_array", "pythonic", "glm47")
 
 
 def make_format_model(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenizer_proc.tool_grammars import json_tools, mistral, pythonic, qwen3_coder
+from tokenizer_proc.tool_grammars import glm47, json_tools, mistral, pythonic, qwen3_coder
 
 Builder = Callable[[Any, list[dict[str, Any]], bool], "str | None"]
 
@@ -22,6 +22,7 @@ BUILDERS: dict[str, Builder] = {
     "qwen3_coder": qwen3_coder.grammar,
     "mistral": mistral.grammar,
     "pythonic": pythonic.grammar,
+    "glm47": glm47.grammar,
 }
 
 

@@ -1,0 +1,139 @@
+"""mlx-lm's `glm47` format (GLM-4.5 to 4.7), one block per call, as its template writes it:
+
+    <tool_call>NAME
+    <arg_key>K</arg_key>
+    <arg_value>V</arg_value>
+    </tool_call>
+
+mlx-lm's parser takes the name before the first `<arg_key>` and each key and value up to its
+closing tag, all stripped of surrounding whitespace. A parameter whose schema's type is "string"
+keeps its value's text; any other is read as JSON (then as a Python literal, then as text). So a
+string is text without the closing tag (nor the end marker, where the stream parser ends the
+call) and without whitespace at either end; a string enum is its values' texts; every other
+value is JSON held to its schema. A call without parameters is the name alone, which the parser
+reads through its plain-text fallback. Parameters are written in their schema's order, each
+required one present.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tokenizer_proc.tool_grammars.lark import json_value, literal, marker, regex_text
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, Param, finite, named_params
+
+CLOSE = "</arg_value>"
+# NOTE: names and keys the parser reads back whole: stripped, and a name alone (a call without
+# parameters) goes through its plain-text and JSON fallbacks, which split on spaces and read
+# brackets
+_NAME = re.compile(r"[A-Za-z0-9_.:-]+")
+_LENGTHS = frozenset({"minLength", "maxLength"})
+
+
+def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
+    """The grammar of one call (or, `parallel`, several) to `tools`; None where a tool's name
+    or parameters cannot be written in this format so that the parser reads them back."""
+    end = tokenizer.tool_call_end
+    start_m = marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
+    end_m = marker(end, tokenizer.tool_call_end_tokens)
+    rules, names = [], []
+    for i, tool in enumerate(tools):
+        call = _call(f"c{i}", tool["function"], end)
+        if call is None:
+            return None
+        rules += call
+        names.append(f"c{i}")
+    return "\n".join(
+        [
+            f"start: call{'+' if parallel else ''}",
+            f"call: {start_m} ({' | '.join(names)}) {end_m}",
+            *rules,
+        ]
+    )
+
+
+def _call(rule: str, function: dict[str, Any], end: str) -> list[str] | None:
+    """The rules of one tool's call (its name, then its parameters)."""
+    params = named_params(function)
+    if params is None or not _NAME.fullmatch(function["name"]):
+        return None
+    items, rules = [], []
+    for j, param in enumerate(params):
+        value = _param(f"{rule}_p{j}", param, end)
+        if value is None:
+            return None
+        rules += value
+        items.append(f"{rule}_p{j}" + ("" if param.required else "?"))
+    head = literal(f"{function['name']}\n")
+    return [f"{rule}: {head} {' '.join(items)}".rstrip(), *rules]
+
+
+def _param(rule: str, param: Param, end: str) -> list[str] | None:
+    """`<arg_key>K</arg_key>`, `<arg_value>`, its value, `</arg_value>`."""
+    if not _NAME.fullmatch(param.name):
+        return None
+    value = _value(f"{rule}_v", param.schema, end)
+    if value is None:
+        return None
+    head = literal(f"<arg_key>{param.name}</arg_key>\n<arg_value>")
+    return [f'{rule}: {head} {rule}_v "\\n"', *value]
+
+
+def _value(rule: str, schema: Any, end: str) -> list[str] | None:
+    """The rules of `rule`: a value and the closing tag after it, as the parser converts it."""
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("type") != "string":
+        # NOTE: JSON, read back by `json.loads` before anything else
+        return [
+            f"{rule}: {rule}_json {literal(CLOSE)}",
+            f"{rule}_json: {json_value(finite(schema))}",
+        ]
+    text = _text(schema, end)
+    if text is None:
+        return None
+    # NOTE: free text is a lexeme (a terminal: intersection and negation are lexemes' own)
+    return [f"{rule}: {rule.upper()}", f"{rule.upper()}: {text}"]
+
+
+def _text(schema: dict[str, Any], end: str) -> str | None:
+    """A string written as raw text: free, or one of its enum's values."""
+    rules = set(schema) - ANNOTATIONS - set(DEFS) - {"type"}
+    if rules & {"enum", "const"}:
+        values = schema["enum"] if "enum" in schema else [schema.get("const")]
+        if rules - {"enum", "const"} - _LENGTHS or not isinstance(values, list):
+            return None
+        texts = [v for v in values if isinstance(v, str) and _fits(v, schema, end)]
+        return " | ".join(literal(v + CLOSE) for v in texts) or None
+    if rules - _LENGTHS:
+        return None
+    return _free_text(end, schema.get("minLength", 0), schema.get("maxLength"))
+
+
+def _free_text(end: str, shortest: int, longest: int | None) -> str:
+    """Text without the closing tag or the end marker, no whitespace at either end, then the
+    closing tag: one lexeme, which ends at the first closing tag (`qwen3_coder._free_text`)."""
+    anything, close = "(?s:.*)", regex_text(CLOSE)
+    parts = [
+        f"/(?s:(\\S(?s:.*\\S)?)?){close}/",
+        f"~/{anything}{close}(?s:.+)/",
+        f"~/{anything}{regex_text(end)}{anything}/",
+    ]
+    if shortest or longest is not None:
+        parts.append(
+            f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}}){close}/"
+        )
+    return " & ".join(parts)
+
+
+def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
+    """Whether `text`, written as a value, is read back as itself within the schema's lengths."""
+    longest = schema.get("maxLength")
+    return (
+        text == text.strip()
+        and CLOSE not in text
+        and end not in text
+        and schema.get("minLength", 0) <= len(text)
+        and (longest is None or len(text) <= longest)
+    )
