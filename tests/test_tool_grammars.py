@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 import tool_formats as tf
 from engine_harness import LaunchedEngine
+from tool_model import _rename_tokens
 
 from engine.client import EngineClient
 from engine.tokenizer_loader import load_tokenizer
@@ -278,6 +280,36 @@ def test_glm47_strings_are_raw_text_and_the_rest_json(build):
     _check(build, "glm47", good, bad, tools=[tool])
 
 
+def test_minimax_m2_values_by_the_types_the_parser_reads(build):
+    """A string (or an untyped parameter) is raw text the parser reads back whole: no closing
+    tag, `</invoke>` or end marker inside, no whitespace at either end, not "null" in any case;
+    an integer, number, boolean, object or array is JSON of its schema."""
+    tool = _tool(
+        "f",
+        {"s": {"type": "string"}, "free": {}, "n": {"type": "integer"}, "b": {"type": "boolean"}},
+        required=["s", "free", "n", "b"],
+    )
+
+    def call(s: str, free: str = "x", n: str = "3", b: str = "true") -> str:
+        args = [("s", s), ("free", free), ("n", n), ("b", b)]
+        body = "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in args)
+        return f'<minimax:tool_call>\n<invoke name="f">\n{body}</invoke>\n</minimax:tool_call>'
+
+    good = [call("a b\nc"), call("", free='{"k": 1}', n="-12", b="false"), call("nullish")]
+    bad = [
+        call(" a"),  # NOTE: leading whitespace, which the parser strips
+        call("a\n"),
+        call("NULL"),  # NOTE: the parser's None
+        call("a</invoke>b"),
+        call("a</minimax:tool_call>b"),
+        call("a</parameter>b"),
+        call("a", n="3.5"),
+        call("a", n='"3"'),
+        call("a", b="yes"),  # NOTE: the parser's word, but not JSON of the schema
+    ]
+    _check(build, "minimax_m2", good, bad, tools=[tool])
+
+
 def test_mistral_headers_and_arrays(build):
     _check(
         build,
@@ -341,6 +373,13 @@ def _tool(name: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
         ("glm47", _tool("f g", {})),
         ("glm47", _tool("{f}", {})),
         ("glm47", _tool("f", {"a b": {"type": "integer"}})),
+        ("kimi_k2", _tool("f:1", {})),
+        ("minimax_m2", _tool("f", {"s": {"type": ["string", "integer"]}})),
+        ("minimax_m2", _tool("f", {"s": {"type": "integer", "enum": [1, 2]}})),
+        ("minimax_m2", _tool("f", {"s": {"enum": ["a", 1]}})),
+        ("minimax_m2", _tool("f", {"s": {"anyOf": [{"type": "string"}]}})),
+        ("minimax_m2", _tool("f", {"s": {"type": "string", "enum": ["null"]}})),
+        ("minimax_m2", _tool('f"', {})),
     ],
 )
 def test_tools_a_format_cannot_carry_take_the_generic_form(build, fmt, tool):
@@ -348,6 +387,19 @@ def test_tools_a_format_cannot_carry_take_the_generic_form(build, fmt, tool):
     assert tool_grammars.native(tok, [tool], False) is None
     assert tool_choice.grammar(tok, [tool], "required", False).startswith("start: calls")
     assert tool_choice.generic_form(tf.request(tools=[tool]), tok)
+
+
+@pytest.mark.parametrize("fmt,tag", [("glm47", "</arg_value>"), ("minimax_m2", "</invoke>")])
+def test_a_format_whose_tags_are_added_tokens_takes_the_generic_form(build, tmp_path, fmt, tag):
+    """A raw value's lexeme ends with its closing tag as text; where the tokenizer has a tag as
+    one added token, a forced call takes the generic form instead (`lark.spelled`)."""
+    out = tmp_path / "model"
+    shutil.copytree(build(fmt), out)
+    _rename_tokens(out, {"<jupyter_code>": tag}, _tok(build(fmt)).chat_template)
+    tok = load_tokenizer(out)
+    assert tool_grammars.format_of(tok) == fmt
+    assert tool_grammars.native(tok, tf.TOOLS, False) is None
+    assert tool_grammars.native(_tok(build(fmt)), tf.TOOLS, False) is not None
 
 
 def test_a_schema_a_format_can_carry_is_forced_natively(build):

@@ -93,6 +93,23 @@ FORMATS: dict[str, Format] = {
             f"<|tool_call_start|>[{_NAME}(...)]<|tool_call_end|>",
         ),
     ),
+    "kimi_k2": Format(
+        ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+        _template(
+            "Call as <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0"
+            "<|tool_call_argument_begin|>{json}<|tool_call_end|><|tool_calls_section_end|>",
+            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{_NAME}:0"
+            f"<|tool_call_argument_begin|>{_ARGS}<|tool_call_end|><|tool_calls_section_end|>",
+        ),
+    ),
+    "minimax_m2": Format(
+        ("<minimax:tool_call>", "</minimax:tool_call>"),
+        _template(
+            'Call as <minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V'
+            "</parameter>\n</invoke>\n</minimax:tool_call>",
+            f'<minimax:tool_call>\n<invoke name="{_NAME}">\n</invoke>\n</minimax:tool_call>',
+        ),
+    ),
     "glm47": Format(
         ("<tool_call>", "</tool_call>"),
         _template(
@@ -103,7 +120,16 @@ FORMATS: dict[str, Format] = {
 }
 # NOTE: the default model's own template, which has no tool calling: the generic form
 GENERIC = "generic"
-NATIVE = ("json_tools", "qwen3_coder", "mistral", "mistral_array", "pythonic", "glm47")
+NATIVE = (
+    "json_tools",
+    "qwen3_coder",
+    "mistral",
+    "mistral_array",
+    "pythonic",
+    "glm47",
+    "kimi_k2",
+    "minimax_m2",
+)
 
 
 def make_format_model(

@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenizer_proc.tool_grammars import glm47, json_tools, mistral, pythonic, qwen3_coder
+from tokenizer_proc.tool_grammars import (
+    glm47,
+    json_tools,
+    kimi_k2,
+    minimax_m2,
+    mistral,
+    pythonic,
+    qwen3_coder,
+)
 
 Builder = Callable[[Any, list[dict[str, Any]], bool], "str | None"]
 
@@ -23,6 +31,8 @@ BUILDERS: dict[str, Builder] = {
     "mistral": mistral.grammar,
     "pythonic": pythonic.grammar,
     "glm47": glm47.grammar,
+    "kimi_k2": kimi_k2.grammar,
+    "minimax_m2": minimax_m2.grammar,
 }
 
 

@@ -12,7 +12,8 @@ string is text without the closing tag (nor the end marker, where the stream par
 call) and without whitespace at either end; a string enum is its values' texts; every other
 value is JSON held to its schema. A call without parameters is the name alone, which the parser
 reads through its plain-text fallback. Parameters are written in their schema's order, each
-required one present.
+required one present. A tokenizer whose tags are added tokens takes the generic form
+(`lark.spelled`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars.lark import json_value, literal, marker, regex_text
+from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, marker, spelled
 from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, Param, finite, named_params
 
 CLOSE = "</arg_value>"
+TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", CLOSE)
 # NOTE: names and keys the parser reads back whole: stripped, and a name alone (a call without
 # parameters) goes through its plain-text and JSON fallbacks, which split on spaces and read
 # brackets
@@ -34,6 +36,8 @@ _LENGTHS = frozenset({"minLength", "maxLength"})
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
     """The grammar of one call (or, `parallel`, several) to `tools`; None where a tool's name
     or parameters cannot be written in this format so that the parser reads them back."""
+    if not spelled(tokenizer, TAGS):
+        return None
     end = tokenizer.tool_call_end
     start_m = marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
     end_m = marker(end, tokenizer.tool_call_end_tokens)
@@ -108,23 +112,8 @@ def _text(schema: dict[str, Any], end: str) -> str | None:
         return " | ".join(literal(v + CLOSE) for v in texts) or None
     if rules - _LENGTHS:
         return None
-    return _free_text(end, schema.get("minLength", 0), schema.get("maxLength"))
-
-
-def _free_text(end: str, shortest: int, longest: int | None) -> str:
-    """Text without the closing tag or the end marker, no whitespace at either end, then the
-    closing tag: one lexeme, which ends at the first closing tag (`qwen3_coder._free_text`)."""
-    anything, close = "(?s:.*)", regex_text(CLOSE)
-    parts = [
-        f"/(?s:(\\S(?s:.*\\S)?)?){close}/",
-        f"~/{anything}{close}(?s:.+)/",
-        f"~/{anything}{regex_text(end)}{anything}/",
-    ]
-    if shortest or longest is not None:
-        parts.append(
-            f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}}){close}/"
-        )
-    return " & ".join(parts)
+    lengths = schema.get("minLength", 0), schema.get("maxLength")
+    return free_text(CLOSE, never=(end,), trimmed=True, shortest=lengths[0], longest=lengths[1])
 
 
 def _fits(text: str, schema: dict[str, Any], end: str) -> bool:

@@ -31,12 +31,53 @@ def marker_of(tokenizer: Any, text: str) -> str:
     return marker(text, ids)
 
 
+def spelled(tokenizer: Any, texts: tuple[str, ...]) -> bool:
+    """Whether each text is ordinary text to the tokenizer (more than one token).
+
+    NOTE: a format's tags inside a raw value's lexeme (its closing tag) or between them must be:
+    llguidance's mask lets an added token through for its text, and consuming it then fails
+    (`marker`), which would end a forced call in an error. A model whose tags are added tokens
+    takes the generic form until that path is written and tested."""
+    encode = getattr(tokenizer, "encode", None)
+    if encode is None:
+        return False
+    return all(len(encode(text, add_special_tokens=False)) > 1 for text in texts)
+
+
 def regex_text(text: str) -> str:
     """`text` matched literally inside a Lark `/regex/`.
 
     NOTE: every ASCII character but letters and digits as `\\x{..}`: no escape rule of the
     regex dialect (or the `/` that ends the literal) to get wrong."""
     return "".join(c if c.isalnum() or ord(c) > 127 else f"\\x{{{ord(c):x}}}" for c in text)
+
+
+def free_text(
+    close: str,
+    cut: str | None = None,
+    never: tuple[str, ...] = (),
+    trimmed: bool = False,
+    not_null: bool = False,
+    shortest: int = 0,
+    longest: int | None = None,
+) -> str:
+    """A raw text value and the `close` tag after it, as one lexeme: the text its parser cuts
+    the value at (`cut`, the tag itself by default) only at its end, no `never` text inside,
+    `trimmed`: no whitespace at either end (a parser that strips it would change it),
+    `not_null`: not "null" in any case (a parser's None), within `shortest`..`longest`.
+
+    NOTE: one lexeme, the closing tag included: a lexeme is matched as long as it can be, so
+    text followed by a literal closing tag would run on past it; ending at the first closing
+    tag it stops there. Intersection and negation (llguidance's `&` and `~`) are lexemes' own."""
+    anything, tag = "(?s:.*)", regex_text(close)
+    body = "(?s:(\\S(?s:.*\\S)?)?)" if trimmed else anything
+    parts = [f"/{body}{tag}/", f"~/{anything}{regex_text(cut or close)}(?s:.+)/"]
+    parts += [f"~/{anything}{regex_text(text)}{anything}/" for text in never]
+    if not_null:
+        parts.append(f"~/(?i:null){tag}/")
+    if shortest or longest is not None:
+        parts.append(f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}}){tag}/")
+    return " & ".join(parts)
 
 
 def json_value(schema: dict[str, Any]) -> str:

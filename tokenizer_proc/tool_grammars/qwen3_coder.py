@@ -23,7 +23,7 @@ import json
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars.lark import json_value, literal, marker, regex_text
+from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, marker
 from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, Param, named_params, types_of
 
 CLOSE = "\n</parameter>"
@@ -124,27 +124,10 @@ def _text(schema: dict[str, Any], typed: bool, end: str) -> str | None:
         return " | ".join(literal(v + CLOSE) for v in texts)
     if rules - _LENGTHS or (rules and not typed):
         return None
-    return _free_text(end, schema.get("minLength", 0), schema.get("maxLength"))
-
-
-def _free_text(end: str, shortest: int, longest: int | None) -> str:
-    """Any text without `</parameter>` or the end marker, not "null", then `\\n</parameter>`.
-
-    NOTE: one lexeme, the closing tag included: a lexeme is matched as long as it can be, so
-    text followed by a literal `\\n</parameter>` would run on past it; ending at the first
-    `</parameter>` it stops there."""
-    anything, close = "(?s:.*)", regex_text(CLOSE)
-    parts = [
-        f"/{anything}{close}/",
-        f"~/{anything}{regex_text('</parameter>')}(?s:.+)/",
-        f"~/{anything}{regex_text(end)}{anything}/",
-        f"~/(?i:null){close}/",
-    ]
-    if shortest or longest is not None:
-        parts.append(
-            f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}}){close}/"
-        )
-    return " & ".join(parts)
+    # NOTE: the parser ends a value at the first `</parameter>`, the stream parser a call at the
+    # end marker
+    lengths = schema.get("minLength", 0), schema.get("maxLength")
+    return free_text(CLOSE, "</parameter>", (end,), False, True, *lengths)
 
 
 def _read_back(text: str, end: str, typed: bool) -> bool:
