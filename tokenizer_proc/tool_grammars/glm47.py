@@ -21,11 +21,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, marker, spelled
-from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, Param, finite, named_params
+from tokenizer_proc.tool_grammars import tagged
+from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, spelled
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite
 
 CLOSE = "</arg_value>"
-TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", CLOSE)
+SPELLED = ("<arg_key>", "</arg_key>", "<arg_value>", CLOSE)
 # NOTE: names and keys the parser reads back whole: stripped, and a name alone (a call without
 # parameters) goes through its plain-text and JSON fallbacks, which split on spaces and read
 # brackets
@@ -36,52 +37,13 @@ _LENGTHS = frozenset({"minLength", "maxLength"})
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
     """The grammar of one call (or, `parallel`, several) to `tools`; None where a tool's name
     or parameters cannot be written in this format so that the parser reads them back."""
-    if not spelled(tokenizer, TAGS):
+    if not spelled(tokenizer, SPELLED):
         return None
-    end = tokenizer.tool_call_end
-    start_m = marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
-    end_m = marker(end, tokenizer.tool_call_end_tokens)
-    rules, names = [], []
-    for i, tool in enumerate(tools):
-        call = _call(f"c{i}", tool["function"], end)
-        if call is None:
-            return None
-        rules += call
-        names.append(f"c{i}")
-    return "\n".join(
-        [
-            f"start: call{'+' if parallel else ''}",
-            f"call: {start_m} ({' | '.join(names)}) {end_m}",
-            *rules,
-        ]
-    )
+    return tagged.grammar(tokenizer, tools, TAGS, _top, parallel)
 
 
-def _call(rule: str, function: dict[str, Any], end: str) -> list[str] | None:
-    """The rules of one tool's call (its name, then its parameters)."""
-    params = named_params(function)
-    if params is None or not _NAME.fullmatch(function["name"]):
-        return None
-    items, rules = [], []
-    for j, param in enumerate(params):
-        value = _param(f"{rule}_p{j}", param, end)
-        if value is None:
-            return None
-        rules += value
-        items.append(f"{rule}_p{j}" + ("" if param.required else "?"))
-    head = literal(f"{function['name']}\n")
-    return [f"{rule}: {head} {' '.join(items)}".rstrip(), *rules]
-
-
-def _param(rule: str, param: Param, end: str) -> list[str] | None:
-    """`<arg_key>K</arg_key>`, `<arg_value>`, its value, `</arg_value>`."""
-    if not _NAME.fullmatch(param.name):
-        return None
-    value = _value(f"{rule}_v", param.schema, end)
-    if value is None:
-        return None
-    head = literal(f"<arg_key>{param.name}</arg_key>\n<arg_value>")
-    return [f'{rule}: {head} {rule}_v "\\n"', *value]
+def _top(start: str, calls: str, end: str, many: str) -> list[str]:
+    return [f"start: call{many}", f"call: {start} ({calls}) {end}"]
 
 
 def _value(rule: str, schema: Any, end: str) -> list[str] | None:
@@ -126,3 +88,6 @@ def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
         and schema.get("minLength", 0) <= len(text)
         and (longest is None or len(text) <= longest)
     )
+
+
+TAGS = tagged.Tags(_NAME, "{}\n", "<arg_key>{}</arg_key>\n<arg_value>", _value)

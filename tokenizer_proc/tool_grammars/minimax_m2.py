@@ -24,11 +24,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, marker, spelled
-from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, Param, finite, named_params
+from tokenizer_proc.tool_grammars import tagged
+from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, spelled
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite
 
 CLOSE = "</parameter>"
-TAGS = ("<invoke", "</invoke>", "<parameter", CLOSE)
+SPELLED = ("<invoke", "</invoke>", "<parameter", CLOSE)
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 # NOTE: the types the parser converts to, each from the JSON a schema of that type holds
 _JSON_TYPES = frozenset({"integer", "number", "boolean", "object", "array"})
@@ -38,52 +39,13 @@ _LENGTHS = frozenset({"minLength", "maxLength"})
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
     """The block of one call (or, `parallel`, one or more) to `tools`; None where a tool's
     name or parameters cannot be written so that the parser reads them back."""
-    if not spelled(tokenizer, TAGS):
+    if not spelled(tokenizer, SPELLED):
         return None
-    end = tokenizer.tool_call_end
-    start_m = marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
-    end_m = marker(end, tokenizer.tool_call_end_tokens)
-    rules, names = [], []
-    for i, tool in enumerate(tools):
-        call = _call(f"c{i}", tool["function"], end)
-        if call is None:
-            return None
-        rules += call
-        names.append(f"c{i}")
-    return "\n".join(
-        [
-            f'start: {start_m} "\\n" call{"+" if parallel else ""} {end_m}',
-            f'call: ({" | ".join(names)}) "</invoke>\\n"',
-            *rules,
-        ]
-    )
+    return tagged.grammar(tokenizer, tools, TAGS, _top, parallel)
 
 
-def _call(rule: str, function: dict[str, Any], end: str) -> list[str] | None:
-    """The rules of one tool's `<invoke>` (its name, then its parameters)."""
-    params = named_params(function)
-    if params is None or not _NAME.fullmatch(function["name"]):
-        return None
-    items, rules = [], []
-    for j, param in enumerate(params):
-        value = _param(f"{rule}_p{j}", param, end)
-        if value is None:
-            return None
-        rules += value
-        items.append(f"{rule}_p{j}" + ("" if param.required else "?"))
-    head = literal(f'<invoke name="{function["name"]}">\n')
-    return [f"{rule}: {head} {' '.join(items)}".rstrip(), *rules]
-
-
-def _param(rule: str, param: Param, end: str) -> list[str] | None:
-    """`<parameter name="K">`, its value, `</parameter>`."""
-    if not _NAME.fullmatch(param.name):
-        return None
-    value = _value(f"{rule}_v", param.schema, end)
-    if value is None:
-        return None
-    head = literal(f'<parameter name="{param.name}">')
-    return [f'{rule}: {head} {rule}_v "\\n"', *value]
+def _top(start: str, calls: str, end: str, many: str) -> list[str]:
+    return [f'start: {start} "\\n" call{many} {end}', f'call: ({calls}) "</invoke>\\n"']
 
 
 def _value(rule: str, schema: Any, end: str) -> list[str] | None:
@@ -136,3 +98,6 @@ def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
         and schema.get("minLength", 0) <= len(text)
         and (longest is None or len(text) <= longest)
     )
+
+
+TAGS = tagged.Tags(_NAME, '<invoke name="{}">\n', '<parameter name="{}">', _value)

@@ -23,8 +23,9 @@ import json
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, marker
-from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, Param, named_params, types_of
+from tokenizer_proc.tool_grammars import tagged
+from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, types_of
 
 CLOSE = "\n</parameter>"
 # NOTE: a name the parser reads back whole (`\s*([^\s<>]+)>?`)
@@ -38,52 +39,13 @@ _LENGTHS = frozenset({"minLength", "maxLength"})
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
     """The grammar of one call (or, `parallel`, several) to `tools`; None where a tool's name
     or parameters cannot be written in this format so that the parser reads them back."""
-    end = tokenizer.tool_call_end
-    start_m = marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens)
-    end_m = marker(end, tokenizer.tool_call_end_tokens)
-    rules, names = [], []
-    for i, tool in enumerate(tools):
-        call = _call(f"c{i}", tool["function"], end)
-        if call is None:
-            return None
-        rules += call
-        names.append(f"c{i}")
+    return tagged.grammar(tokenizer, tools, TAGS, _top, parallel)
+
+
+def _top(start: str, calls: str, end: str, many: str) -> list[str]:
     # NOTE: calls one after the other: a newline between them (the template's) would be text
     # beside the calls
-    return "\n".join(
-        [
-            f"start: call{'+' if parallel else ''}",
-            f'call: {start_m} "\\n" ({" | ".join(names)}) "</function>\\n" {end_m}',
-            *rules,
-        ]
-    )
-
-
-def _call(rule: str, function: dict[str, Any], end: str) -> list[str] | None:
-    """The rules of one tool's call (from `<function=` to its parameters' end)."""
-    params = named_params(function)
-    if params is None or not _NAME.fullmatch(function["name"]):
-        return None
-    items, rules = [], []
-    for j, param in enumerate(params):
-        value = _param(f"{rule}_p{j}", param, end)
-        if value is None:
-            return None
-        rules += value
-        items.append(f"{rule}_p{j}" + ("" if param.required else "?"))
-    head = literal(f"<function={function['name']}>\n")
-    return [f"{rule}: {head} {' '.join(items)}".rstrip(), *rules]
-
-
-def _param(rule: str, param: Param, end: str) -> list[str] | None:
-    """`<parameter=P>`, its value, `</parameter>`: a rule and the value's rule or lexeme."""
-    if not _NAME.fullmatch(param.name):
-        return None
-    value = _value(f"{rule}_v", param.schema, end)
-    if value is None:
-        return None
-    head = literal(f"<parameter={param.name}>\n")
-    return [f'{rule}: {head} {rule}_v "\\n"', *value]
+    return [f"start: call{many}", f'call: {start} "\\n" ({calls}) "</function>\\n" {end}']
 
 
 def _value(rule: str, schema: Any, end: str) -> list[str] | None:
@@ -153,3 +115,6 @@ def _exact(schema: dict[str, Any]) -> dict[str, Any]:
     if not all(isinstance(b, (int, float)) for b in (low, high)):
         return schema
     return {**schema, "minimum": max(low, -EXACT_INT), "maximum": min(high, EXACT_INT)}
+
+
+TAGS = tagged.Tags(_NAME, "<function={}>\n", "<parameter={}>\n", _value)
