@@ -103,6 +103,24 @@ def test_welcome_checks_version_then_key():
     assert door().key_ok(None) and not d.key_ok(None)
 
 
+def test_metrics_count_chain_breaks_by_reason():
+    """Every reason the scheduler counts a decode step that did not chain is a label on
+    `mlx_engine_chain_breaks_total`, read from its stats."""
+    from scheduler_proc.scheduler import BREAKS
+    from tokenizer_proc.metrics import CHAIN_BREAKS
+
+    assert CHAIN_BREAKS == BREAKS
+    d = door()
+    text = d.metrics.render(d.stats({"chain_breaks_seat": 3, "chain_breaks_finish": 1})).decode()
+    samples = {
+        dict(s.labels).get("reason"): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "mlx_engine_chain_breaks_total"
+    }
+    assert samples == {**dict.fromkeys(BREAKS, 0.0), "seat": 3.0, "finish": 1.0}
+
+
 def test_metrics_observe_a_request_timeline():
     d = door()
     entry = Entry("c")
