@@ -21,9 +21,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars import tagged
 from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, spelled
 from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite
+from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "</arg_value>"
 SPELLED = ("<arg_key>", "</arg_key>", "<arg_value>", CLOSE)
@@ -39,7 +39,7 @@ def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str 
     or parameters cannot be written in this format so that the parser reads them back."""
     if not spelled(tokenizer, SPELLED):
         return None
-    return tagged.grammar(tokenizer, tools, TAGS, _top, parallel)
+    return build(tokenizer, tools, TAGS, _top, parallel)
 
 
 def _top(start: str, calls: str, end: str, many: str) -> list[str]:
@@ -90,4 +90,4 @@ def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
     )
 
 
-TAGS = tagged.Tags(_NAME, "{}\n", "<arg_key>{}</arg_key>\n<arg_value>", _value)
+TAGS = Tags(_NAME, "{}\n", "<arg_key>{}</arg_key>\n<arg_value>", _value)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars import tagged
 from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, spelled
 from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite
+from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "</parameter>"
 SPELLED = ("<invoke", "</invoke>", "<parameter", CLOSE)
@@ -41,7 +41,7 @@ def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str 
     name or parameters cannot be written so that the parser reads them back."""
     if not spelled(tokenizer, SPELLED):
         return None
-    return tagged.grammar(tokenizer, tools, TAGS, _top, parallel)
+    return build(tokenizer, tools, TAGS, _top, parallel)
 
 
 def _top(start: str, calls: str, end: str, many: str) -> list[str]:
@@ -100,4 +100,4 @@ def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
     )
 
 
-TAGS = tagged.Tags(_NAME, '<invoke name="{}">\n', '<parameter name="{}">', _value)
+TAGS = Tags(_NAME, '<invoke name="{}">\n', '<parameter name="{}">', _value)

@@ -23,9 +23,9 @@ import json
 import re
 from typing import Any
 
-from tokenizer_proc.tool_grammars import tagged
 from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal
 from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, types_of
+from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "\n</parameter>"
 # NOTE: a name the parser reads back whole (`\s*([^\s<>]+)>?`)
@@ -39,7 +39,7 @@ _LENGTHS = frozenset({"minLength", "maxLength"})
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
     """The grammar of one call (or, `parallel`, several) to `tools`; None where a tool's name
     or parameters cannot be written in this format so that the parser reads them back."""
-    return tagged.grammar(tokenizer, tools, TAGS, _top, parallel)
+    return build(tokenizer, tools, TAGS, _top, parallel)
 
 
 def _top(start: str, calls: str, end: str, many: str) -> list[str]:
@@ -117,4 +117,4 @@ def _exact(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "minimum": max(low, -EXACT_INT), "maximum": min(high, EXACT_INT)}
 
 
-TAGS = tagged.Tags(_NAME, "<function={}>\n", "<parameter={}>\n", _value)
+TAGS = Tags(_NAME, "<function={}>\n", "<parameter={}>\n", _value)

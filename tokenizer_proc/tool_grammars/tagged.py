@@ -28,7 +28,7 @@ class Tags:
     value: Value
 
 
-def grammar(
+def build(
     tokenizer: Any, tools: list[dict[str, Any]], tags: Tags, top: Top, parallel: bool
 ) -> str | None:
     """The grammar of one call (or, `parallel`, several) to `tools`, its top rules `top`'s;
