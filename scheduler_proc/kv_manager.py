@@ -1,12 +1,13 @@
 """Pages for requests: admission by free pages, a page more as decode grows, release.
 
 The scheduler calls it while no step is in flight, except `grow` for a chained decode step,
-which takes a free page and nothing else, and, where a row is its pages alone, `seat(in_flight=
-True)` and `release`/`publish` (`Scheduler._move_in_flight`): a page freed or evicted there is
-read by no step in flight, and its next owner's writes are queued after them. Admission asks for the pages of the whole fill (prompt, or prompt + output after a
-preemption) less the prefix hit's shared pages, plus a reserve of one page per decoding request
-so running requests can grow; when decode still runs out, the scheduler preempts the newest
-request (`RunningTable.newest`), whose pages come back here.
+which takes a free page and nothing else, and, where a row is its pages alone,
+`seat(in_flight=True)`, `release` and `publish` (`Scheduler._move_in_flight`): a page freed or
+evicted there is read by no step in flight, and its next owner's writes are queued after them.
+Admission asks for the pages of the whole fill (prompt, or prompt + output after a preemption)
+less the prefix hit's shared pages, plus a reserve of one page per decoding request so running
+requests can grow; when decode still runs out, the scheduler preempts the newest request
+(`RunningTable.newest`), whose pages come back here.
 """
 
 from __future__ import annotations

@@ -204,9 +204,11 @@ class Runner:
         host = [r.fill_ids[-1] for r in batch.joined] + [0] * (n - len(rows))
         at = {id(r): i for i, r in enumerate(prev.rows)}
         index = [at[id(r)] for r in batch.decode]
-        ahead = prev.decode_out.tokens[: len(index)]
-        if index != list(range(len(index))):  # NOTE: rows that finished at `prev` left
-            ahead = prev.decode_out.tokens[mx.array(index, dtype=mx.int32)]
+        tokens = prev.decode_out.tokens
+        # NOTE: a gather only where rows that finished at `prev` left the step
+        ahead = (
+            tokens[: len(index)] if index == list(range(len(index))) else tokens[mx.array(index)]
+        )
         return mx.concatenate([ahead, mx.array(host, dtype=mx.int32)])
 
     def decode_inputs(self, batch: Batch) -> mx.array:

@@ -5,9 +5,9 @@ in `KVManager`'s pages. `Seating` moves them between the two, while no step is i
 it seats what fits (a cached prefix shared, one page kept free per decoding request for its
 growth), gives the newest row back when decode runs out of pages, and takes one row a step from
 the client most above its share for a client below it that got none. While a decode step is in
-flight it may seat too (`seat(in_flight=True)`), into free rows and pages only. A request that gives its
-row back waits at the front of the queue with its stream open, and is recomputed from prompt +
-tokens so far when it is seated again.
+flight it may seat too (`seat(in_flight=True)`), into free rows and pages only. A request that
+gives its row back waits at the front of the queue with its stream open, and is recomputed from
+prompt + tokens so far when it is seated again.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, spelled
-from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite, within_lengths
 from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "</arg_value>"
@@ -80,13 +80,11 @@ def _text(schema: dict[str, Any], end: str) -> str | None:
 
 def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
     """Whether `text`, written as a value, is read back as itself within the schema's lengths."""
-    longest = schema.get("maxLength")
     return (
         text == text.strip()
         and CLOSE not in text
         and end not in text
-        and schema.get("minLength", 0) <= len(text)
-        and (longest is None or len(text) <= longest)
+        and within_lengths(text, schema)
     )
 
 

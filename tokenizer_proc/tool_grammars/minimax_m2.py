@@ -25,7 +25,7 @@ import re
 from typing import Any
 
 from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal, spelled
-from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, finite, within_lengths
 from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "</parameter>"
@@ -90,13 +90,11 @@ def _text(schema: dict[str, Any], end: str) -> str | None:
 
 def _fits(text: str, schema: dict[str, Any], end: str) -> bool:
     """Whether `text`, written as a value, is read back as itself within the schema's lengths."""
-    longest = schema.get("maxLength")
     return (
         text == text.strip()
         and text.lower() != "null"
         and not any(tag in text for tag in (CLOSE, "</invoke>", end))
-        and schema.get("minLength", 0) <= len(text)
-        and (longest is None or len(text) <= longest)
+        and within_lengths(text, schema)
     )
 
 

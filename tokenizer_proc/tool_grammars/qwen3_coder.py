@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from tokenizer_proc.tool_grammars.lark import free_text, json_value, literal
-from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, types_of
+from tokenizer_proc.tool_grammars.schemas import ANNOTATIONS, DEFS, types_of, within_lengths
 from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "\n</parameter>"
@@ -78,7 +78,7 @@ def _text(schema: dict[str, Any], typed: bool, end: str) -> str | None:
         values = schema["enum"] if "enum" in schema else [schema.get("const")]
         if rules - {"enum", "const"} - _LENGTHS or not isinstance(values, list):
             return None
-        texts = [v for v in values if isinstance(v, str) and _length_ok(v, schema)]
+        texts = [v for v in values if isinstance(v, str) and within_lengths(v, schema)]
         if not texts or (not typed and len(texts) != len(values)):
             return None
         if not all(_read_back(v, end, typed) for v in texts):
@@ -102,11 +102,6 @@ def _read_back(text: str, end: str, typed: bool) -> bool:
         return not isinstance(json.loads(text), (dict, list))
     except ValueError:
         return True
-
-
-def _length_ok(text: str, schema: dict[str, Any]) -> bool:
-    longest = schema.get("maxLength")
-    return schema.get("minLength", 0) <= len(text) and (longest is None or len(text) <= longest)
 
 
 def _exact(schema: dict[str, Any]) -> dict[str, Any]:

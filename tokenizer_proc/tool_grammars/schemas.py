@@ -60,6 +60,12 @@ def finite(schema: Any) -> Any:
     return _bounded(out) if "number" in types_of(out) else out
 
 
+def within_lengths(text: str, schema: dict[str, Any]) -> bool:
+    """Whether `text` is within the string schema's `minLength` / `maxLength`."""
+    longest = schema.get("maxLength")
+    return schema.get("minLength", 0) <= len(text) and (longest is None or len(text) <= longest)
+
+
 def types_of(schema: dict[str, Any]) -> set[str]:
     kind = schema.get("type")
     return {kind} if isinstance(kind, str) else {t for t in kind or () if isinstance(t, str)}
