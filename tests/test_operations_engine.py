@@ -81,6 +81,26 @@ class Streams:
             assert time.monotonic() < deadline, "the streams did not start"
             time.sleep(0.01)
 
+    def wait_for(self, n: int, within: float = 120.0) -> None:
+        """Until every stream has at least `n` tokens."""
+        deadline = time.monotonic() + within
+        while min(self.counts()) < n and not self.errors:
+            assert time.monotonic() < deadline, f"the streams did not reach {n} tokens"
+            time.sleep(0.01)
+        assert not self.errors, self.errors
+
+    def settle(self, quiet: float = 0.5, within: float = 30.0) -> list[int]:
+        """The counts once no stream has grown for `quiet` seconds: chunks sent before a pause
+        can reach the client threads long after it under load (seen: 120 tokens behind)."""
+        deadline = time.monotonic() + within
+        counts = self.counts()
+        while True:
+            time.sleep(quiet)
+            if self.counts() == counts:
+                return counts
+            assert time.monotonic() < deadline, "the streams kept growing while paused"
+            counts = self.counts()
+
     def join(self, within: float = 120.0) -> None:
         for t in self._threads:
             t.join(within)
@@ -103,29 +123,31 @@ def sdk(request, engine, tiny_model_dir):
 
 
 def test_retract_with_16_streams_then_continue_equals_an_uninterrupted_run(sdk):
+    """Streams that cannot end before the pause lands (at 160 tokens a loaded CI box ran every
+    one out while its client threads had read 50: "retracted" said 0); each goes on past where
+    it was retracted, and what it streamed equals an uninterrupted run of that length."""
     prompts = _prompts()
-    plain = Streams(sdk, prompts)
-    plain.join()
-    streams = Streams(sdk, prompts)
+    streams = Streams(sdk, prompts, UNENDING)
     streams.wait_started()
     info = sdk.pause_generation("retract")
     try:
-        assert info["paused"] and info["retracted"] > 0, info
+        assert info["paused"] and info["retracted"] == STREAMS, info
         assert sdk.stats()["running"] == 0
         assert sdk.health() and not sdk.health_generate()  # NOTE: alive, but generating nothing
-        # NOTE: chunks the scheduler sent before the pause may still be on their way to the
-        # client threads (a loaded CI box delivered one more token to some streams after it)
-        time.sleep(0.5)
-        held = streams.counts()
-        time.sleep(0.5)
-        assert streams.counts() == held  # NOTE: nothing runs while paused
+        held = streams.settle()  # NOTE: nothing runs while paused, so the counts stop
     finally:
         # NOTE: continued whatever failed above: a paused engine would fail the module's later
         # tests too ("the streams did not start")
         assert not sdk.continue_generation()["paused"]
+    until = max(held) + 32
+    streams.wait_for(until)
+    assert sdk.pause_generation("abort")["aborted"] == STREAMS
+    sdk.continue_generation()
     streams.join()
-    assert streams.finish == ["length"] * STREAMS
-    assert streams.tokens == plain.tokens  # NOTE: no token lost, repeated or changed
+    assert streams.finish == ["abort"] * STREAMS
+    plain = Streams(sdk, prompts, until)
+    plain.join()
+    assert [t[:until] for t in streams.tokens] == plain.tokens  # NOTE: none lost or changed
 
 
 def test_abort_and_refuse_over_http_with_the_owners_token(engine):
