@@ -139,8 +139,9 @@ class EngineConfig:
     )
     spec: str = _opt(
         "off",
-        "Speculative decoding: off, ngram (prompt lookup: a greedy row proposes what followed "
-        "its last n tokens earlier in its prompt or output, verified in the decode step)",
+        "Speculative decoding: off, ngram (prompt lookup: a row, greedy or sampled, proposes "
+        "what followed its last n tokens earlier in its prompt or output, verified in the "
+        "decode step)",
     )
     spec_k: int = _opt(8, "Most tokens a row proposes a step (--spec); its own k adapts")
     spec_ngram: int = _opt(3, "Longest n-gram --spec ngram matches (then shorter, down to 2)")

@@ -46,7 +46,7 @@ class Batch:
     logits: mx.array | None = None  # a chained forward whose sampling waits for its masks
     prompt_lps: list[mx.array] = field(default_factory=list)  # prompt logprobs it computes
     # NOTE: speculation (speculate.py): per row, its proposal ([] none; None: the row does not
-    # speculate), and the greedy tokens at the proposal's positions, `(rows, width - 1)`, lazy
+    # speculate), and the tokens drawn at the proposal's positions, `(rows, width - 1)`, lazy
     proposals: list[list[int] | None] | None = None
     spec_tokens: mx.array | None = None
     # NOTE: a prefill step queued right after this chained decode step, riding its chain

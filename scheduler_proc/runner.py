@@ -22,7 +22,14 @@ from scheduler_proc import decode_attention, prefill_attention
 from scheduler_proc.batch import Batch, PromptSlice
 from scheduler_proc.kv_cache import EntryCache, KVPool, StepRows
 from scheduler_proc.request import Req
-from scheduler_proc.sampling import RowParams, SamplerState, build_state, sample, token_logprobs
+from scheduler_proc.sampling import (
+    RowParams,
+    SamplerState,
+    build_state,
+    sample,
+    sample_ahead,
+    token_logprobs,
+)
 from scheduler_proc.shapes import Ladders
 from scheduler_proc.state_padding import padding_keeps_state
 
@@ -261,8 +268,8 @@ class Runner:
     # -- decode --------------------------------------------------------------------------------
     def _decode_logits(self, batch: Batch, inputs: mx.array) -> mx.array:
         """The decode forward's logits at each row's input token (B, V), lazy. A speculating
-        row's proposal runs after its input in the same row (`speculate.py`): the greedy tokens
-        at its positions go to `batch.spec_tokens`."""
+        row's proposal runs after its input in the same row (`speculate.py`): the tokens drawn
+        at its positions (`sample_ahead`) go to `batch.spec_tokens`."""
         n = inputs.shape[0]
         if batch.sampler is None:
             batch.sampler = self._sampler(batch, n)
@@ -282,8 +289,7 @@ class Runner:
             grid = mx.concatenate([grid, mx.array(pad, dtype=mx.int32)], axis=1)
         logits = self._forward(grid, cache, kv_len, batch)
         if width > 1:
-            rest = logits[:, 1:, :].astype(mx.float32)
-            batch.spec_tokens = mx.argmax(rest, axis=-1).astype(mx.int32)
+            batch.spec_tokens = sample_ahead(logits[:, 1:, :], batch.sampler)
         return logits[:, 0, :]
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:

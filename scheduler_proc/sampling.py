@@ -118,6 +118,45 @@ def sample(logits: mx.array, state: SamplerState) -> Sampled:
     return _with_logprobs(logits, tokens, state.top_logprobs)
 
 
+def sample_ahead(logits: mx.array, state: SamplerState) -> mx.array:
+    """Speculating rows' tokens at their proposal's positions: (B, W, V) logits -> (B, W).
+
+    Position j of a row is drawn as the row would draw its token decoding one at a time: its
+    temperature, top-k, top-p and min-p, and the noise of its own counter at `position + 1 + j`.
+    So a row whose proposal matched up to j emits exactly the token plain decoding would have,
+    seeded or not. For a proposal of single tokens (prompt lookup proposes, it does not sample)
+    this is the rejection rule of speculative sampling: the proposed token d is kept with
+    probability p(d), and otherwise the token is drawn from p without d, renormalised, which is
+    what a draw from p that is not d is. Penalties, masks and logprobs are not applied here:
+    rows with them do not speculate (speculate.Speculator.eligible)."""
+    b, w, v = logits.shape
+    scores = logits.reshape(b * w, v)
+    if not state.any_sampled:
+        return mx.argmax(scores, axis=-1).astype(mx.int32).reshape(b, w)
+
+    def each(a: mx.array) -> mx.array:
+        return mx.repeat(a, w, axis=0)
+
+    steps = mx.tile(mx.arange(1, w + 1, dtype=mx.uint32), b)
+    ahead = replace(
+        state,
+        greedy=each(state.greedy),
+        temperature=each(state.temperature),
+        top_k=each(state.top_k),
+        top_p=each(state.top_p),
+        min_p=each(state.min_p),
+        seed=each(state.seed),
+        position=each(state.position) + steps,
+        counts=None,
+        prompt_seen=None,
+        any_penalty=False,
+        top_logprobs=0,
+        want_logprobs=False,
+        allowed=None,
+    )
+    return sample(scores, ahead).tokens.reshape(b, w)
+
+
 @partial(mx.compile, shapeless=True)
 def _masked(scores: mx.array, packed: mx.array) -> mx.array:
     """-inf where (B, ceil(V / 32)) packed words forbid: token t is bit t % 32 of word t // 32.

@@ -692,8 +692,9 @@ class Scheduler:
         self, batch: Batch, first: list[int], logprobs: Sequence[TokenLogprob | None]
     ) -> None:
         """A step with speculating rows: each row's token at its input, then, for a speculating
-        row, its greedy tokens while its proposal matches them (the last one is the token after
-        the proposal's longest matching prefix); its KV past them is rolled back."""
+        row, its tokens at the proposal's positions while the proposal matches them (the last
+        one is the token after the proposal's longest matching prefix); its KV past them is
+        rolled back."""
         assert batch.proposals is not None
         rest: list[list[int]] = [] if batch.spec_tokens is None else _listed(batch.spec_tokens)
         for i, req in enumerate(batch.rows):

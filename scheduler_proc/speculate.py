@@ -1,14 +1,16 @@
-"""Speculative decoding inside the decode step (issue 40, first slice: prompt lookup, greedy rows).
+"""Speculative decoding inside the decode step: prompt lookup, greedy and sampled rows.
 
 A speculating row runs its input token and its proposal (`ngram.NgramIndex`) as one chunk of the
 decode step, through the path prompt chunks take: every position's logits, each position's KV
-written. The row keeps the longest prefix of the proposal that its own greedy tokens reproduce,
-plus the token after it, so its output is the one it would have decoded token by token; the KV
-of what it rejected is rolled back (its `kv_len` set back, whole pages past it returned).
+written. Each position's token is drawn as plain decoding would draw it there (greedy: the
+argmax; sampled: the row's filters and its own noise counter, `sampling.sample_ahead`). The row
+keeps the longest prefix of the proposal that its own tokens reproduce, plus the token after it,
+so its output is the one it would have decoded token by token, seeded or not (for a proposal of
+single tokens this is speculative sampling's rejection rule); the KV of what it rejected is
+rolled back (its `kv_len` set back, whole pages past it returned).
 
-Only rows whose next token is the argmax of their logits and nothing else speculate (greedy, no
-penalty, no constraint, no logprobs, no thinking budget); the others decode beside them as
-always. A model with recurrent state or window rings does not speculate: their writes cannot be
+Rows with a penalty, a constraint, logprobs or a thinking budget do not speculate; they decode
+beside the others as always. A model with recurrent state or window rings does not speculate: their writes cannot be
 taken back by setting a length. A row's k adapts: up after a proposal accepted whole, down to
 what was accepted after a partial one, and off for a while after steps that accepted nothing.
 """
@@ -65,12 +67,13 @@ class Speculator:
             log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
 
     def eligible(self, req: Req) -> bool:
-        """Whether `req`'s tokens are its logits' argmax and nothing else (what verification
-        by comparing argmaxes keeps exact)."""
+        """Whether `req`'s next tokens depend on its logits and its noise counter alone (greedy
+        or sampled: what drawing each proposal position as plain decoding would keeps exact);
+        penalties, masks and logprobs would need the proposal's tokens applied position by
+        position, and a thinking budget may force a token."""
         p = req.params
         return (
             self.on
-            and p.greedy
             and not has_penalty(p)
             and not p.logprobs
             and not p.constrained

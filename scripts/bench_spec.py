@@ -1,13 +1,15 @@
 """Prompt-lookup speculation (`--spec ngram`) on an edit workload, in-process, one stream.
 
 The prompt holds a ~300-word text and asks for it back with one change, as an agent's edit
-re-emits a file it was shown. The same greedy request runs on a scheduler with `--spec off` and
-with `--spec ngram` (taking turns, `--repeats` times each, the best kept); the outputs must be identical.
+re-emits a file it was shown. The same request (greedy, or sampled with `--temperature` and a
+seed) runs on a scheduler with `--spec off` and with `--spec ngram` (taking turns, `--repeats`
+times each, the best kept); the outputs must be identical.
 Reported: output tok/s (first token to last, and submit to last), the ratio, and the proposed /
 accepted tokens.
 
   .venv/bin/python scripts/bench_spec.py                    # default model, k 8, n 3
   .venv/bin/python scripts/bench_spec.py --spec-k 4 --max-tokens 200 --repeats 1
+  .venv/bin/python scripts/bench_spec.py --temperature 0.7 --top-p 0.95   # sampled, seeded
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def main() -> None:
     ap.add_argument("--spec-ngram", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sync", action="store_true", help="the synchronous loop (no overlap)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1, help="the sampled request's seed")
     args = ap.parse_args()
 
     from engine.cpu_backend import setup_cpu_backend
@@ -78,10 +83,13 @@ def main() -> None:
         spec_ngram=args.spec_ngram,
     )
     model, eos = load_for_scheduler(path, base)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    sampling = "greedy" if params.greedy else f"T {args.temperature}, top-p {args.top_p}"
     print(
         f"prompt {len(prompt)} tokens, max_tokens {args.max_tokens}, k {args.spec_k}, "
-        f"n {args.spec_ngram}, {'sync' if args.sync else 'overlap'} loop"
+        f"n {args.spec_ngram}, {'sync' if args.sync else 'overlap'} loop, {sampling}"
     )
     from dataclasses import replace
 

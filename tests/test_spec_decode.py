@@ -1,7 +1,7 @@
 """Prompt-lookup speculation (`--spec ngram`, scheduler_proc/speculate.py): proposals, greedy
-output identical with and without it (beside rows that do not speculate, across preemption and
-prefix hits, both loops), and rollback leaving the KV as if the rejected tokens were never
-written."""
+and seeded sampled output identical with and without it (beside rows that do not speculate,
+across preemption and prefix hits, both loops), and rollback leaving the KV as if the rejected
+tokens were never written."""
 
 from __future__ import annotations
 
@@ -104,6 +104,36 @@ def test_greedy_rows_are_identical_beside_rows_that_do_not_speculate(llama, orac
         assert tokens(outs["ngram"][rid]) == tokens(outs["off"][rid]), rid
     lps = [lp for o in outs["ngram"]["logprobs"] for lp in o.logprobs]
     assert len(lps) == 24 and all(len(lp.top) == 2 for lp in lps)
+
+
+SAMPLED = {
+    "t0.9": SamplingParams(max_tokens=32, temperature=0.9, seed=5, ignore_eos=True),
+    "top-p": SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=6, ignore_eos=True),
+    "top-k": SamplingParams(max_tokens=32, temperature=1.2, top_k=20, seed=7, ignore_eos=True),
+    "min-p": SamplingParams(max_tokens=32, temperature=0.8, min_p=0.05, seed=8, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_sampled_rows_speculate_and_stream_what_they_would_without(llama, oracle, overlap):
+    """Sampled rows (temperature, top-p, top-k, min-p; seeded) speculate: proposals from each
+    row's stream without speculation, one token wrong at a cycling position, so steps accept
+    all, some or none. Each stream is token for token the one without speculation: every
+    position is drawn as plain decoding would draw it."""
+    rng = random.Random(3)
+    arrivals = {
+        0: [(rid, random_prompt(rng, 18 + 5 * i), p) for i, (rid, p) in enumerate(SAMPLED.items())]
+    }
+    plain = drive(make_scheduler(llama, page_size=4), arrivals)
+    for rid, prompt, _ in arrivals[0]:
+        oracle[tuple(prompt)] = tokens(plain[rid])
+    sched = _spec(llama, page_size=4, disable_overlap=not overlap)
+    outs = drive(sched, arrivals)
+    for rid in SAMPLED:
+        assert tokens(outs[rid]) == tokens(plain[rid]), rid
+    stats = sched.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
+    assert_pages_balanced(sched)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
@@ -239,10 +269,18 @@ EDIT_TEXT = (
 )
 
 
-def test_the_default_model_repeating_a_text_accepts_most_proposals(default_model_dir):
+@pytest.mark.parametrize(
+    "params",
+    [
+        greedy(40),
+        SamplingParams(max_tokens=40, temperature=0.7, top_p=0.95, seed=2, ignore_eos=True),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_the_default_model_repeating_a_text_accepts_most_proposals(default_model_dir, params):
     """The issue's workload in small: asked to repeat a text with one change, the default model
-    re-emits it; prompt lookup proposes from it, most proposals are accepted, and the greedy
-    output is the one without speculation, token for token."""
+    re-emits it; prompt lookup proposes from it, most proposals are accepted, and the output,
+    greedy or sampled, is the one without speculation, token for token."""
     from engine.models import load
 
     model, tokenizer = load(str(default_model_dir))
@@ -253,7 +291,7 @@ def test_the_default_model_repeating_a_text_accepts_most_proposals(default_model
     outs, stats = {}, {}
     for spec in ("off", "ngram"):
         sched = make_scheduler(model, spec=spec)
-        outs[spec] = tokens(drive(sched, {0: [("r", prompt, greedy(40))]})["r"])
+        outs[spec] = tokens(drive(sched, {0: [("r", prompt, params)]})["r"])
         stats[spec] = sched.stats()
     assert outs["ngram"] == outs["off"]
     s = stats["ngram"]
