@@ -46,9 +46,10 @@ class Batch:
     logits: mx.array | None = None  # a chained forward whose sampling waits for its masks
     prompt_lps: list[mx.array] = field(default_factory=list)  # prompt logprobs it computes
     # NOTE: speculation (speculate.py): per row, its proposal ([] none; None: the row does not
-    # speculate), and the tokens drawn at the proposal's positions, `(rows, width - 1)`, lazy
+    # speculate), and the tokens drawn at the proposal's positions, `(rows, width - 1)`, with
+    # their logprobs when asked for, lazy
     proposals: list[list[int] | None] | None = None
-    spec_tokens: mx.array | None = None
+    spec_out: Sampled | None = None
     # NOTE: a prefill step queued right after this chained decode step, riding its chain
     beside: Batch | None = None
 

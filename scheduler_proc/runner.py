@@ -269,7 +269,7 @@ class Runner:
     def _decode_logits(self, batch: Batch, inputs: mx.array) -> mx.array:
         """The decode forward's logits at each row's input token (B, V), lazy. A speculating
         row's proposal runs after its input in the same row (`speculate.py`): the tokens drawn
-        at its positions (`sample_ahead`) go to `batch.spec_tokens`."""
+        at its positions (`sample_ahead`) go to `batch.spec_out`."""
         n = inputs.shape[0]
         if batch.sampler is None:
             batch.sampler = self._sampler(batch, n)
@@ -289,7 +289,7 @@ class Runner:
             grid = mx.concatenate([grid, mx.array(pad, dtype=mx.int32)], axis=1)
         logits = self._forward(grid, cache, kv_len, batch)
         if width > 1:
-            batch.spec_tokens = sample_ahead(logits[:, 1:, :], batch.sampler)
+            batch.spec_out = sample_ahead(logits[:, 1:, :], batch.sampler, proposals)
         return logits[:, 0, :]
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:
@@ -530,5 +530,7 @@ def _outputs(batch: Batch) -> list[mx.array]:
     s = batch.decode_out
     if s is None:
         return batch.prompt_lps
-    out = (s.tokens, s.logprob, s.top_ids, s.top_logprobs, batch.spec_tokens)
+    out = [s.tokens, s.logprob, s.top_ids, s.top_logprobs]
+    if (ahead := batch.spec_out) is not None:
+        out += [ahead.tokens, ahead.logprob, ahead.top_ids, ahead.top_logprobs]
     return [a for a in out if a is not None]

@@ -118,21 +118,23 @@ def sample(logits: mx.array, state: SamplerState) -> Sampled:
     return _with_logprobs(logits, tokens, state.top_logprobs)
 
 
-def sample_ahead(logits: mx.array, state: SamplerState) -> mx.array:
-    """Speculating rows' tokens at their proposal's positions: (B, W, V) logits -> (B, W).
+def sample_ahead(logits: mx.array, state: SamplerState, proposals: list[list[int]]) -> Sampled:
+    """Speculating rows' tokens at their proposal's positions: (B, W, V) logits -> (B, W), with
+    their logprobs (B, W) and top alternatives (B, W, n) when the batch asks for them.
 
-    Position j of a row is drawn as the row would draw its token decoding one at a time: its
-    temperature, top-k, top-p and min-p, and the noise of its own counter at `position + 1 + j`.
-    So a row whose proposal matched up to j emits exactly the token plain decoding would have,
-    seeded or not. For a proposal of single tokens (prompt lookup proposes, it does not sample)
-    this is the rejection rule of speculative sampling: the proposed token d is kept with
-    probability p(d), and otherwise the token is drawn from p without d, renormalised, which is
-    what a draw from p that is not d is. Penalties, masks and logprobs are not applied here:
-    rows with them do not speculate (speculate.Speculator.eligible)."""
+    Position j of a row (its logits after proposal[j]) is drawn as the row would draw its token
+    decoding one at a time, had it emitted proposal[: j + 1]: its penalties counting those
+    tokens too, its temperature, top-k, top-p and min-p, and the noise of its own counter at
+    `position + 1 + j`. So a row whose proposal matched up to j emits exactly the token plain
+    decoding would have, seeded or not. For a proposal of single tokens (prompt lookup proposes,
+    it does not sample) this is the rejection rule of speculative sampling: the proposed token d
+    is kept with probability p(d), and otherwise the token is drawn from p without d,
+    renormalised, which is what a draw from p that is not d is. Masks are not applied here:
+    constrained rows do not speculate (speculate.Speculator.eligible)."""
     b, w, v = logits.shape
     scores = logits.reshape(b * w, v)
-    if not state.any_sampled:
-        return mx.argmax(scores, axis=-1).astype(mx.int32).reshape(b, w)
+    if not (state.any_sampled or state.any_penalty or state.want_logprobs):
+        return Sampled(mx.argmax(scores, axis=-1).astype(mx.int32).reshape(b, w), None, None, None)
 
     def each(a: mx.array) -> mx.array:
         return mx.repeat(a, w, axis=0)
@@ -145,16 +147,34 @@ def sample_ahead(logits: mx.array, state: SamplerState) -> mx.array:
         top_k=each(state.top_k),
         top_p=each(state.top_p),
         min_p=each(state.min_p),
+        repetition=each(state.repetition),
+        presence=each(state.presence),
+        frequency=each(state.frequency),
         seed=each(state.seed),
         position=each(state.position) + steps,
-        counts=None,
-        prompt_seen=None,
-        any_penalty=False,
-        top_logprobs=0,
-        want_logprobs=False,
+        counts=None if state.counts is None else _counts_ahead(state.counts, proposals, w),
+        prompt_seen=None if state.prompt_seen is None else each(state.prompt_seen),
         allowed=None,
     )
-    return sample(scores, ahead).tokens.reshape(b, w)
+    s = sample(scores, ahead)
+
+    def rows(a: mx.array | None, *shape: int) -> mx.array | None:
+        return None if a is None else a.reshape(b, w, *shape)
+
+    return Sampled(
+        s.tokens.reshape(b, w), rows(s.logprob), rows(s.top_ids, -1), rows(s.top_logprobs, -1)
+    )
+
+
+def _counts_ahead(counts: mx.array, proposals: list[list[int]], w: int) -> mx.array:
+    """(B, V) generated-token counts -> (B * W, V): position j of row i also counts the row's
+    proposal[: j + 1], the tokens before it that it would have emitted."""
+    rows = [i * w + j for i, p in enumerate(proposals) for j in range(len(p)) for _ in range(j + 1)]
+    cols = [t for p in proposals for j in range(len(p)) for t in p[: j + 1]]
+    out = mx.repeat(counts, w, axis=0)
+    if not cols:
+        return out
+    return out.at[mx.array(rows), mx.array(cols)].add(1.0)
 
 
 @partial(mx.compile, shapeless=True)

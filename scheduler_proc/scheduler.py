@@ -696,7 +696,7 @@ class Scheduler:
         one is the token after the proposal's longest matching prefix); its KV past them is
         rolled back."""
         assert batch.proposals is not None
-        rest: list[list[int]] = [] if batch.spec_tokens is None else _listed(batch.spec_tokens)
+        rest, rest_lps = _ahead(batch.spec_out)
         for i, req in enumerate(batch.rows):
             proposal = batch.proposals[i] if i < len(batch.proposals) else None
             emitted = 0 if req.finished else 1
@@ -704,7 +704,7 @@ class Scheduler:
             for j, token in enumerate(proposal or []):
                 if req.finished or req.output_ids[-1] != token:
                     break
-                self._accept(req, rest[i][j], None)
+                self._accept(req, rest[i][j], rest_lps[i][j] if rest_lps else None)
                 emitted += 1
             if proposal is None:
                 continue
@@ -860,6 +860,18 @@ def _host(out: Sampled) -> tuple[list[int], Sequence[TokenLogprob | None]]:
     if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return tokens, [None] * len(tokens)
     return tokens, _paired(_listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs))
+
+
+def _ahead(out: Sampled | None) -> tuple[list[list[int]], list[list[TokenLogprob]] | None]:
+    """A speculating step's tokens at the proposals' positions, row by row, and their logprobs
+    when the batch asked for them."""
+    if out is None:
+        return [], None
+    tokens: list[list[int]] = _listed(out.tokens)
+    if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
+        return tokens, None
+    rows = zip(_listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs), strict=True)
+    return tokens, [_paired(*row) for row in rows]
 
 
 def _paired(

@@ -1,18 +1,20 @@
-"""Speculative decoding inside the decode step: prompt lookup, greedy and sampled rows.
+"""Speculative decoding inside the decode step: prompt lookup, for greedy and sampled rows.
 
 A speculating row runs its input token and its proposal (`ngram.NgramIndex`) as one chunk of the
 decode step, through the path prompt chunks take: every position's logits, each position's KV
 written. Each position's token is drawn as plain decoding would draw it there (greedy: the
-argmax; sampled: the row's filters and its own noise counter, `sampling.sample_ahead`). The row
+argmax; sampled: the row's filters and its own noise counter; `sampling.sample_ahead`). The row
 keeps the longest prefix of the proposal that its own tokens reproduce, plus the token after it,
 so its output is the one it would have decoded token by token, seeded or not (for a proposal of
 single tokens this is speculative sampling's rejection rule); the KV of what it rejected is
 rolled back (its `kv_len` set back, whole pages past it returned).
 
-Rows with a penalty, a constraint, logprobs or a thinking budget do not speculate; they decode
-beside the others as always. A model with recurrent state or window rings does not speculate: their writes cannot be
-taken back by setting a length. A row's k adapts: up after a proposal accepted whole, down to
-what was accepted after a partial one, and off for a while after steps that accepted nothing.
+Position j's draw counts the proposal's tokens up to it for the row's penalties, and its
+logprobs are reported for every token kept. Rows with a constraint or a thinking budget do not
+speculate; they decode beside the others as always. A model with recurrent state or window
+rings does not speculate: their writes cannot be taken back by setting a length. A row's k
+adapts: up after a proposal accepted whole, down to what was accepted after a partial one, and
+off for a while after steps that accepted nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from scheduler_proc.kv_layout import Layout
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.ngram import NgramIndex
 from scheduler_proc.request import Req
-from scheduler_proc.sampling import has_penalty
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,14 @@ class Speculator:
             log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
 
     def eligible(self, req: Req) -> bool:
-        """Whether `req`'s next tokens depend on its logits and its noise counter alone (greedy
-        or sampled: what drawing each proposal position as plain decoding would keeps exact);
-        penalties, masks and logprobs would need the proposal's tokens applied position by
-        position, and a thinking budget may force a token."""
+        """Whether each of `req`'s next tokens is drawn from its logits, its tokens before it
+        and its noise counter (greedy or sampled, penalised or not, with logprobs or not: what
+        drawing each proposal position as plain decoding would keeps exact); a constraint's
+        mask would need the matcher advanced through the proposal, and a thinking budget may
+        force a token."""
         p = req.params
         return (
             self.on
-            and not has_penalty(p)
-            and not p.logprobs
             and not p.constrained
             and req.matcher is None
             and p.think_budget is None

@@ -105,23 +105,43 @@ def _chi_square(observed: np.ndarray, expected: np.ndarray) -> float:
     return float(((observed - expected) ** 2 / expected).sum())
 
 
-def test_tokens_drawn_ahead_are_the_ones_plain_decoding_draws():
-    """A speculating row's proposal positions (`sample_ahead`): position j is the token that
-    sampling one at a time draws there, `generated + 1 + j`, for every seed and filter."""
-    vocab, n = 6, 64
-    logits = mx.array(AHEAD_LOGITS)
-    for params in (
+@pytest.mark.parametrize(
+    "params",
+    [
         SamplingParams(temperature=0.8),
         SamplingParams(temperature=1.1, top_k=3),
         SamplingParams(temperature=0.9, top_p=0.7, min_p=0.1),
         SamplingParams(temperature=0.0),
-    ):
-        state = build_state([RowParams(params, seed, 7, [], []) for seed in range(n)], vocab)
-        ahead = np.array(sample_ahead(mx.broadcast_to(logits, (n, 3, vocab)), state))
-        for j in range(3):
-            rows = [RowParams(params, seed, 8 + j, [], []) for seed in range(n)]
-            plain = sample(mx.broadcast_to(logits[j], (n, vocab)), build_state(rows, vocab))
-            assert ahead[:, j].tolist() == plain.tokens.tolist(), (params, j)
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+        SamplingParams(temperature=0.7, presence_penalty=0.6, frequency_penalty=0.9),
+        SamplingParams(temperature=0.0, logprobs=3),
+    ],
+    ids=["t", "top-k", "top-p-min-p", "greedy", "repetition", "presence-frequency", "logprobs"],
+)
+def test_tokens_drawn_ahead_are_the_ones_plain_decoding_draws(params):
+    """A speculating row's proposal positions (`sample_ahead`): position j is the token (and
+    logprobs) that sampling one at a time draws there, at `generated + 1 + j` with the proposal's
+    tokens up to j emitted, for every seed, filter and penalty. The proposals are the likeliest
+    tokens, so a penalty that missed them would change the draw."""
+    vocab, n = 6, 64
+    logits = mx.array(AHEAD_LOGITS)
+    prompt, out = [5], [1, 2]
+    proposals = [[2, 0, 2] if seed % 2 else [5, 1, 0] for seed in range(n)]
+    rows = [RowParams(params, seed, len(out), prompt, out) for seed in range(n)]
+    ahead = sample_ahead(
+        mx.broadcast_to(logits, (n, 3, vocab)), build_state(rows, vocab), proposals
+    )
+    for j in range(3):
+        rows = [
+            RowParams(params, s, len(out) + 1 + j, prompt, out + proposals[s][: j + 1])
+            for s in range(n)
+        ]
+        plain = sample(mx.broadcast_to(logits[j], (n, vocab)), build_state(rows, vocab))
+        assert ahead.tokens[:, j].tolist() == plain.tokens.tolist(), j
+        if params.logprobs:
+            assert ahead.logprob is not None and plain.logprob is not None
+            assert mx.allclose(ahead.logprob[:, j], plain.logprob).item()
+            assert ahead.top_ids[:, j].tolist() == plain.top_ids.tolist()
 
 
 def test_tokens_drawn_ahead_follow_their_distribution_independently():
@@ -134,7 +154,8 @@ def test_tokens_drawn_ahead_follow_their_distribution_independently():
     rows = [
         RowParams(SamplingParams(temperature=temperature), seed, 7, [], []) for seed in range(n)
     ]
-    drawn = np.array(sample_ahead(mx.broadcast_to(logits, (n, 3, vocab)), build_state(rows, vocab)))
+    state = build_state(rows, vocab)
+    drawn = np.array(sample_ahead(mx.broadcast_to(logits, (n, 3, vocab)), state, [[]] * n).tokens)
     probs = np.array(mx.softmax(logits / temperature, axis=-1))
     for j in range(3):
         assert _chi_square(np.bincount(drawn[:, j], minlength=vocab), n * probs[j]) < 20.52, j

@@ -75,8 +75,9 @@ def _spec(model, **overrides) -> Scheduler:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_greedy_rows_are_identical_beside_rows_that_do_not_speculate(llama, oracle, overlap):
-    """Greedy rows speculate; sampled, penalised and logprob rows decode beside them in the same
-    steps. Every greedy stream is mlx-lm's, every other stream as without speculation."""
+    """Greedy rows speculate beside sampled, penalised and logprob rows that propose nothing,
+    in the same steps. Every greedy stream is mlx-lm's, every other stream as without
+    speculation."""
     rng = random.Random(1)
     prompts = [random_prompt(rng, 20 + 9 * i) for i in range(4)]
     for p in prompts:
@@ -106,24 +107,42 @@ def test_greedy_rows_are_identical_beside_rows_that_do_not_speculate(llama, orac
     assert len(lps) == 24 and all(len(lp.top) == 2 for lp in lps)
 
 
+def _params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=32, ignore_eos=True, **kw)
+
+
 SAMPLED = {
-    "t0.9": SamplingParams(max_tokens=32, temperature=0.9, seed=5, ignore_eos=True),
-    "top-p": SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=6, ignore_eos=True),
-    "top-k": SamplingParams(max_tokens=32, temperature=1.2, top_k=20, seed=7, ignore_eos=True),
-    "min-p": SamplingParams(max_tokens=32, temperature=0.8, min_p=0.05, seed=8, ignore_eos=True),
+    "t0.9": _params(temperature=0.9, seed=5),
+    "top-p": _params(temperature=0.7, top_p=0.9, seed=6),
+    "top-k": _params(temperature=1.2, top_k=20, seed=7),
+    "min-p": _params(temperature=0.8, min_p=0.05, seed=8),
+    "repetition": _params(temperature=0.0, repetition_penalty=1.3),
+    "presence": _params(temperature=0.8, presence_penalty=0.8, frequency_penalty=0.5, seed=9),
+    "logprobs": _params(temperature=0.0, logprobs=2),
+    "sampled-logprobs": _params(temperature=0.9, logprobs=3, frequency_penalty=0.4, seed=10),
 }
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_sampled_rows_speculate_and_stream_what_they_would_without(llama, oracle, overlap):
-    """Sampled rows (temperature, top-p, top-k, min-p; seeded) speculate: proposals from each
-    row's stream without speculation, one token wrong at a cycling position, so steps accept
-    all, some or none. Each stream is token for token the one without speculation: every
-    position is drawn as plain decoding would draw it."""
+def test_every_unconstrained_row_speculates_and_streams_what_it_would_without(
+    llama, oracle, overlap, monkeypatch
+):
+    """Sampled (temperature, top-p, top-k, min-p; seeded), penalised and logprob rows speculate:
+    proposals from each row's stream without speculation, one token wrong at a cycling
+    position, so steps accept all, some or none. Each stream is token for token the one
+    without speculation (every position drawn as plain decoding would draw it, penalties
+    counting the proposal before it), with the same logprobs."""
+    accepted: dict[str, int] = dict.fromkeys(SAMPLED, 0)
+    verified = speculate.Speculator.verified
+
+    def counted(self, req, proposal, n):
+        accepted[req.rid] += n
+        verified(self, req, proposal, n)
+
+    monkeypatch.setattr(speculate.Speculator, "verified", counted)
     rng = random.Random(3)
-    arrivals = {
-        0: [(rid, random_prompt(rng, 18 + 5 * i), p) for i, (rid, p) in enumerate(SAMPLED.items())]
-    }
+    prompts = [random_prompt(rng, 18 + 5 * i) for i in range(len(SAMPLED))]
+    arrivals = {0: [(rid, p, ps) for p, (rid, ps) in zip(prompts, SAMPLED.items(), strict=True)]}
     plain = drive(make_scheduler(llama, page_size=4), arrivals)
     for rid, prompt, _ in arrivals[0]:
         oracle[tuple(prompt)] = tokens(plain[rid])
@@ -131,8 +150,17 @@ def test_sampled_rows_speculate_and_stream_what_they_would_without(llama, oracle
     outs = drive(sched, arrivals)
     for rid in SAMPLED:
         assert tokens(outs[rid]) == tokens(plain[rid]), rid
+        assert accepted[rid] > 0, rid
+    for rid in ("logprobs", "sampled-logprobs"):
+        got = [lp for o in outs[rid] for lp in o.logprobs]
+        want = [lp for o in plain[rid] for lp in o.logprobs]
+        assert len(got) == len(want) == 32
+        for a, b in zip(got, want, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-3)
     stats = sched.stats()
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
+    assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
     assert_pages_balanced(sched)
 
 
