@@ -50,6 +50,9 @@ class Batch:
     # their logprobs when asked for, lazy
     proposals: list[list[int] | None] | None = None
     spec_out: Sampled | None = None
+    spec_allowed: np.ndarray | None = (
+        None  # constrained rows' masks there, `(rows * (width - 1), words)`
+    )
     # NOTE: a prefill step queued right after this chained decode step, riding its chain
     beside: Batch | None = None
 

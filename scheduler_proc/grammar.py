@@ -82,6 +82,39 @@ class Grammars:
         self.masks += len(rows)
         return masks
 
+    def fill_ahead(
+        self, matchers: list[Any | None], proposals: list[list[int]], w: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A speculating step's masks: the rows' own, `(rows, words)`, and each proposal
+        position's, `(rows * w, words)`: position j of row i is the mask after the row's matcher
+        took proposal[: j + 1] (llguidance advances a copy of its state and rolls it back). A
+        proposal must be one its matcher takes (`validate_tokens`); past it, and past a token
+        that ends the grammar, everything is allowed (no such position is kept). None where no
+        row is constrained."""
+        pairs = enumerate(zip(matchers, proposals, strict=True))
+        rows = [(m, i * (w + 1), p) for i, (m, p) in pairs if m is not None]
+        if not rows:
+            return None
+        from llguidance.numpy import (
+            fill_next_token_bitmask_par,
+            fill_next_token_bitmask_par_with_draft_tokens,
+        )
+
+        t0 = time.perf_counter()
+        words = (self.vocab + 31) // 32
+        masks = np.full((len(matchers) * (w + 1), words), -1, dtype=np.int32)
+        # NOTE: llguidance refuses an empty draft: a row without a proposal takes its own mask
+        if drafts := [r for r in rows if r[2]]:
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafts, masks)
+        if plain := [(m, k) for m, k, p in rows if not p]:
+            fill_next_token_bitmask_par(self._executor, plain, masks)
+        self.mask_s += time.perf_counter() - t0
+        self.masks += sum(1 + len(p) for _, _, p in rows)
+        grid = masks.reshape(len(matchers), w + 1, words)
+        return np.ascontiguousarray(grid[:, 0]), np.ascontiguousarray(grid[:, 1:]).reshape(
+            -1, words
+        )
+
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
             self._tokenizer = self._build()

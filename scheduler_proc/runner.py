@@ -289,7 +289,9 @@ class Runner:
             grid = mx.concatenate([grid, mx.array(pad, dtype=mx.int32)], axis=1)
         logits = self._forward(grid, cache, kv_len, batch)
         if width > 1:
-            batch.spec_out = sample_ahead(logits[:, 1:, :], batch.sampler, proposals)
+            ahead = batch.spec_allowed
+            allowed = None if ahead is None else mx.array(_pad_masks(ahead, n * (width - 1)))
+            batch.spec_out = sample_ahead(logits[:, 1:, :], batch.sampler, proposals, allowed)
         return logits[:, 0, :]
 
     def _sampler(self, batch: Batch, n: int) -> SamplerState:

@@ -118,7 +118,12 @@ def sample(logits: mx.array, state: SamplerState) -> Sampled:
     return _with_logprobs(logits, tokens, state.top_logprobs)
 
 
-def sample_ahead(logits: mx.array, state: SamplerState, proposals: list[list[int]]) -> Sampled:
+def sample_ahead(
+    logits: mx.array,
+    state: SamplerState,
+    proposals: list[list[int]],
+    allowed: mx.array | None = None,
+) -> Sampled:
     """Speculating rows' tokens at their proposal's positions: (B, W, V) logits -> (B, W), with
     their logprobs (B, W) and top alternatives (B, W, n) when the batch asks for them.
 
@@ -129,11 +134,11 @@ def sample_ahead(logits: mx.array, state: SamplerState, proposals: list[list[int
     decoding would have, seeded or not. For a proposal of single tokens (prompt lookup proposes,
     it does not sample) this is the rejection rule of speculative sampling: the proposed token d
     is kept with probability p(d), and otherwise the token is drawn from p without d,
-    renormalised, which is what a draw from p that is not d is. Masks are not applied here:
-    constrained rows do not speculate (speculate.Speculator.eligible)."""
+    renormalised, which is what a draw from p that is not d is. `allowed`: the packed masks of
+    each row's positions, `(B * W, words)` (`Grammars.fill_ahead`), None: no row constrained."""
     b, w, v = logits.shape
     scores = logits.reshape(b * w, v)
-    if not (state.any_sampled or state.any_penalty or state.want_logprobs):
+    if not (state.any_sampled or state.any_penalty or state.want_logprobs or allowed is not None):
         return Sampled(mx.argmax(scores, axis=-1).astype(mx.int32).reshape(b, w), None, None, None)
 
     def each(a: mx.array) -> mx.array:
@@ -154,7 +159,7 @@ def sample_ahead(logits: mx.array, state: SamplerState, proposals: list[list[int
         position=each(state.position) + steps,
         counts=None if state.counts is None else _counts_ahead(state.counts, proposals, w),
         prompt_seen=None if state.prompt_seen is None else each(state.prompt_seen),
-        allowed=None,
+        allowed=allowed,
     )
     s = sample(scores, ahead)
 

@@ -626,12 +626,24 @@ class Scheduler:
         if not rows and not joined:
             return None
         batch = Batch(decode=rows, joined=joined)
-        batch.allowed = self.grammars.fill([r.matcher for r in batch.rows])
         batch.proposals = self.spec.plan(rows, self.kv)
+        self._fill_masks(batch)
         slices = self._plan_slices() if beside else []
         if slices:
             batch.beside = Batch(slices=slices)
         return batch
+
+    def _fill_masks(self, batch: Batch) -> None:
+        """Constrained rows' masks for a fresh decode step; a speculating step's also for each
+        proposal position (`Batch.spec_allowed`)."""
+        matchers = [r.matcher for r in batch.rows]
+        proposals = _padded([p or [] for p in batch.proposals or []], len(matchers))
+        w = max(map(len, proposals), default=0)
+        ahead = self.grammars.fill_ahead(matchers, proposals, w) if w else None
+        if ahead is None:
+            batch.allowed = self.grammars.fill(matchers)
+        else:
+            batch.allowed, batch.spec_allowed = ahead
 
     def _seat(self, in_flight: bool = False) -> bool:
         """Seat what fits; a request that ended while seated is reported even when seating
@@ -860,6 +872,10 @@ def _host(out: Sampled) -> tuple[list[int], Sequence[TokenLogprob | None]]:
     if out.logprob is None or out.top_ids is None or out.top_logprobs is None:
         return tokens, [None] * len(tokens)
     return tokens, _paired(_listed(out.logprob), _listed(out.top_ids), _listed(out.top_logprobs))
+
+
+def _padded(proposals: list[list[int]], n: int) -> list[list[int]]:
+    return proposals + [[] for _ in range(n - len(proposals))]
 
 
 def _ahead(out: Sampled | None) -> tuple[list[list[int]], list[list[TokenLogprob]] | None]:

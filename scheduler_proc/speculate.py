@@ -9,12 +9,13 @@ so its output is the one it would have decoded token by token, seeded or not (fo
 single tokens this is speculative sampling's rejection rule); the KV of what it rejected is
 rolled back (its `kv_len` set back, whole pages past it returned).
 
-Position j's draw counts the proposal's tokens up to it for the row's penalties, and its
-logprobs are reported for every token kept. Rows with a constraint or a thinking budget do not
-speculate; they decode beside the others as always. A model with recurrent state or window
-rings does not speculate: their writes cannot be taken back by setting a length. A row's k
-adapts: up after a proposal accepted whole, down to what was accepted after a partial one, and
-off for a while after steps that accepted nothing.
+Position j's draw counts the proposal's tokens up to it for the row's penalties, and its logprobs
+are reported for every token kept; a constrained row proposes only what its grammar takes, and each
+position is drawn under its own mask (the matcher advanced through the proposal,
+`Grammars.fill_ahead`). Rows with a thinking budget do not speculate; they decode beside the others
+as always. A model with recurrent state or window rings does not speculate: their writes cannot be
+taken back by setting a length. A row's k adapts: up after a proposal accepted whole, down to what
+was accepted after a partial one, and off for a while after steps that accepted nothing.
 """
 
 from __future__ import annotations
@@ -68,19 +69,11 @@ class Speculator:
             log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
 
     def eligible(self, req: Req) -> bool:
-        """Whether each of `req`'s next tokens is drawn from its logits, its tokens before it
-        and its noise counter (greedy or sampled, penalised or not, with logprobs or not: what
-        drawing each proposal position as plain decoding would keeps exact); a constraint's
-        mask would need the matcher advanced through the proposal, and a thinking budget may
-        force a token."""
+        """Whether each of `req`'s next tokens is drawn from its logits, its tokens before it,
+        its constraint and its noise counter (what drawing each proposal position as plain
+        decoding would keeps exact); not with a thinking budget, which may force a token."""
         p = req.params
-        return (
-            self.on
-            and not p.constrained
-            and req.matcher is None
-            and p.think_budget is None
-            and req.force_next is None
-        )
+        return self.on and p.think_budget is None and req.force_next is None
 
     def active(self, req: Req) -> bool:
         """Whether `req` would speculate at its next fresh step (so its chain breaks)."""
@@ -118,6 +111,8 @@ class Speculator:
         # NOTE: the step emits at most proposal + 1 tokens, all within the length limit
         k = min(row.k, req.max_new - len(req.output_ids) - 1)
         proposal = row.index.propose(k)
+        if req.matcher is not None:  # NOTE: only what its grammar takes; masks come per position
+            proposal = proposal[: req.matcher.validate_tokens(proposal)]
         if proposal and not kv.grow(req, ahead=1 + len(proposal), evict=False):
             room = len(req.pages) * kv.pool.page_size - req.kv_len - 1
             proposal = proposal[: max(room, 0)]

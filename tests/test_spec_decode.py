@@ -5,7 +5,9 @@ tokens were never written."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -107,8 +109,26 @@ def test_greedy_rows_are_identical_beside_rows_that_do_not_speculate(llama, orac
     assert len(lps) == 24 and all(len(lp.top) == 2 for lp in lps)
 
 
+@pytest.fixture
+def _count_accepted(monkeypatch):
+    """Proposal tokens accepted per request id (`Speculator.verified`)."""
+
+    def start(rids) -> dict[str, int]:
+        accepted = dict.fromkeys(rids, 0)
+        verified = speculate.Speculator.verified
+
+        def counted(self, req, proposal, n):
+            accepted[req.rid] = accepted.get(req.rid, 0) + n
+            verified(self, req, proposal, n)
+
+        monkeypatch.setattr(speculate.Speculator, "verified", counted)
+        return accepted
+
+    return start
+
+
 def _params(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=32, ignore_eos=True, **kw)
+    return SamplingParams(**{"max_tokens": 32, "ignore_eos": True, **kw})
 
 
 SAMPLED = {
@@ -125,21 +145,14 @@ SAMPLED = {
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_every_unconstrained_row_speculates_and_streams_what_it_would_without(
-    llama, oracle, overlap, monkeypatch
+    llama, oracle, overlap, _count_accepted
 ):
     """Sampled (temperature, top-p, top-k, min-p; seeded), penalised and logprob rows speculate:
     proposals from each row's stream without speculation, one token wrong at a cycling
     position, so steps accept all, some or none. Each stream is token for token the one
     without speculation (every position drawn as plain decoding would draw it, penalties
     counting the proposal before it), with the same logprobs."""
-    accepted: dict[str, int] = dict.fromkeys(SAMPLED, 0)
-    verified = speculate.Speculator.verified
-
-    def counted(self, req, proposal, n):
-        accepted[req.rid] += n
-        verified(self, req, proposal, n)
-
-    monkeypatch.setattr(speculate.Speculator, "verified", counted)
+    accepted = _count_accepted(SAMPLED)
     rng = random.Random(3)
     prompts = [random_prompt(rng, 18 + 5 * i) for i in range(len(SAMPLED))]
     arrivals = {0: [(rid, p, ps) for p, (rid, ps) in zip(prompts, SAMPLED.items(), strict=True)]}
@@ -161,6 +174,58 @@ def test_every_unconstrained_row_speculates_and_streams_what_it_would_without(
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-3)
     stats = sched.stats()
     assert stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
+    assert_pages_balanced(sched)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+CONSTRAINED = {
+    "schema": _params(json_schema=SCHEMA, temperature=0.0, max_tokens=120, ignore_eos=False),
+    "schema-sampled": _params(
+        json_schema=SCHEMA, temperature=0.8, seed=3, max_tokens=120, ignore_eos=False
+    ),
+    "regex": _params(regex="([a-z][0-9]){10}", temperature=0.9, seed=4, ignore_eos=False),
+}
+
+
+def test_constrained_rows_speculate_under_each_positions_mask(
+    llama, tiny_model_dir, oracle, _count_accepted
+):
+    """A constrained row proposes only what its grammar takes, and each proposal position is
+    drawn under the mask after the proposal before it: its stream is the one without
+    speculation (valid, ended by "stop"), with proposals accepted. A free greedy row beside."""
+    from engine.tokenizer_loader import load_tokenizer
+
+    model = tiny_model(tiny_model_dir)  # NOTE: the tokenizer's model, for its grammar
+    accepted = _count_accepted(CONSTRAINED)
+    rng = random.Random(5)
+    arrivals = {
+        0: [(rid, random_prompt(rng, 20 + i), p) for i, (rid, p) in enumerate(CONSTRAINED.items())]
+    }
+    free = random_prompt(rng, 30)
+    arrivals[0].append(("free", free, greedy(24)))
+    oracle[tuple(free)] = reference_greedy(model, free, 24)
+    tokenizer = tiny_model_dir / "tokenizer.json"
+    plain = drive(make_scheduler(model, (0, 2), tokenizer, page_size=4), arrivals)
+    for rid, prompt, _ in arrivals[0][:-1]:
+        oracle[tuple(prompt)] = tokens(plain[rid])
+    sched = _spec(model, eos=(0, 2), tokenizer_file=tokenizer, page_size=4)
+    outs = drive(sched, arrivals)
+    tok = load_tokenizer(tiny_model_dir)
+    for rid in CONSTRAINED:
+        assert tokens(outs[rid]) == tokens(plain[rid]), rid
+        assert outs[rid][-1].finish_reason == "stop", rid
+        assert accepted[rid] > 0, rid
+    assert re.fullmatch("([a-z][0-9]){10}", tok.decode(tokens(outs["regex"])))
+    assert json.loads(tok.decode(tokens(outs["schema"])))
+    assert tokens(outs["free"]) == oracle[tuple(free)]
     assert_pages_balanced(sched)
 
 
