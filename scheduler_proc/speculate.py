@@ -12,8 +12,8 @@ rolled back (its `kv_len` set back, whole pages past it returned).
 Position j's draw counts the proposal's tokens up to it for the row's penalties, and its logprobs
 are reported for every token kept; a constrained row proposes only what its grammar takes, and each
 position is drawn under its own mask (the matcher advanced through the proposal,
-`Grammars.fill_ahead`). Rows with a thinking budget do not speculate; they decode beside the others
-as always. A model with recurrent state or window rings does not speculate: their writes cannot be
+`Grammars.fill_ahead`). A token a thinking budget forces replaces the drawn one, as without
+speculation. A model with recurrent state or window rings does not speculate: their writes cannot be
 taken back by setting a length. A row's k adapts: up after a proposal accepted whole, down to what
 was accepted after a partial one, and off for a while after steps that accepted nothing.
 """
@@ -68,16 +68,13 @@ class Speculator:
         elif self.on:
             log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
 
-    def eligible(self, req: Req) -> bool:
-        """Whether each of `req`'s next tokens is drawn from its logits, its tokens before it,
-        its constraint and its noise counter (what drawing each proposal position as plain
-        decoding would keeps exact); not with a thinking budget, which may force a token."""
-        p = req.params
-        return self.on and p.think_budget is None and req.force_next is None
-
     def active(self, req: Req) -> bool:
-        """Whether `req` would speculate at its next fresh step (so its chain breaks)."""
-        if not self.eligible(req):
+        """Whether `req` would speculate at its next fresh step (so its chain breaks). Any row
+        may: each of its tokens is drawn from its logits, its tokens before it, its constraint
+        and its noise counter, which drawing each proposal position as plain decoding would
+        keeps exact; a token its thinking budget forces replaces the drawn one as it would
+        (`Scheduler._accept`), and the proposal is kept only while it equals what was emitted."""
+        if not self.on:
             return False
         row = req.spec
         return row is None or len(req.output_ids) >= row.resume_at

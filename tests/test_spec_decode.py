@@ -140,6 +140,15 @@ SAMPLED = {
     "presence": _params(temperature=0.8, presence_penalty=0.8, frequency_penalty=0.5, seed=9),
     "logprobs": _params(temperature=0.0, logprobs=2),
     "sampled-logprobs": _params(temperature=0.9, logprobs=3, frequency_penalty=0.4, seed=10),
+    # NOTE: in a thought from the start; its 7th token is followed by the end marker, forced
+    "think-budget": _params(
+        temperature=0.8,
+        seed=11,
+        think_budget=7,
+        think_start_id=1,
+        think_end_id=2,
+        think_inside=True,
+    ),
 }
 
 
@@ -147,11 +156,12 @@ SAMPLED = {
 def test_every_unconstrained_row_speculates_and_streams_what_it_would_without(
     llama, oracle, overlap, _count_accepted
 ):
-    """Sampled (temperature, top-p, top-k, min-p; seeded), penalised and logprob rows speculate:
-    proposals from each row's stream without speculation, one token wrong at a cycling
-    position, so steps accept all, some or none. Each stream is token for token the one
+    """Sampled (temperature, top-p, top-k, min-p; seeded), penalised, logprob and thinking-budget
+    rows speculate: proposals from each row's stream without speculation, one token wrong at a
+    cycling position, so steps accept all, some or none. Each stream is token for token the one
     without speculation (every position drawn as plain decoding would draw it, penalties
-    counting the proposal before it), with the same logprobs."""
+    counting the proposal before it, the budget's end marker forced where it was), with the same
+    logprobs."""
     accepted = _count_accepted(SAMPLED)
     rng = random.Random(3)
     prompts = [random_prompt(rng, 18 + 5 * i) for i in range(len(SAMPLED))]
@@ -159,11 +169,12 @@ def test_every_unconstrained_row_speculates_and_streams_what_it_would_without(
     plain = drive(make_scheduler(llama, page_size=4), arrivals)
     for rid, prompt, _ in arrivals[0]:
         oracle[tuple(prompt)] = tokens(plain[rid])
-    sched = _spec(llama, page_size=4, disable_overlap=not overlap)
+    sched = _spec(llama, page_size=4, spec_max_rows=16, disable_overlap=not overlap)
     outs = drive(sched, arrivals)
     for rid in SAMPLED:
         assert tokens(outs[rid]) == tokens(plain[rid]), rid
         assert accepted[rid] > 0, rid
+    assert tokens(plain["think-budget"])[7] == 2  # NOTE: the budget did force the marker
     for rid in ("logprobs", "sampled-logprobs"):
         got = [lp for o in outs[rid] for lp in o.logprobs]
         want = [lp for o in plain[rid] for lp in o.logprobs]
