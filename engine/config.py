@@ -140,8 +140,11 @@ class EngineConfig:
     spec: str = _opt(
         "off",
         "Speculative decoding: off, ngram (prompt lookup: a row, greedy or sampled, proposes "
-        "what followed its last n tokens earlier in its prompt or output, verified in the "
-        "decode step)",
+        "what followed its last n tokens earlier in its prompt or output), draft (a smaller "
+        "model with the same tokenizer proposes, --draft-model); verified in the decode step",
+    )
+    draft_model: str | None = _opt(
+        None, "The draft model of --spec draft: a directory or ORG/NAME, the model's tokenizer"
     )
     spec_k: int = _opt(8, "Most tokens a row proposes a step (--spec); its own k adapts")
     spec_ngram: int = _opt(3, "Longest n-gram --spec ngram matches (then shorter, down to 2)")
@@ -269,11 +272,15 @@ class EngineConfig:
                 f"reasoning_parser must be auto, harmony or none, got {self.reasoning_parser}"
             )
         sizes = (self.spec_k, self.spec_ngram, self.spec_max_rows)
-        if self.spec not in ("off", "ngram") or min(sizes) < 1:
+        if self.spec not in ("off", "ngram", "draft") or min(sizes) < 1:
             raise ValueError(
-                "spec must be off or ngram, spec_k, spec_ngram and spec_max_rows >= 1, got "
-                f"{self.spec}, {sizes}"
+                "spec must be off, ngram or draft, spec_k, spec_ngram and spec_max_rows >= 1, "
+                f"got {self.spec}, {sizes}"
             )
+        if (self.spec == "draft") != bool(self.draft_model):
+            raise ValueError("--spec draft and --draft-model go together: a draft model drafts")
+        if self.spec == "draft" and self.tp > 1:
+            raise ValueError("--spec draft runs on one device: not with --tp")
         if self.prefill_attention not in ("auto", "ops", "fast"):
             raise ValueError(
                 f"prefill_attention must be auto, ops or fast, got {self.prefill_attention}"

@@ -33,7 +33,7 @@ from engine.messages.to_scheduler import Abort, Drain, StatsQuery, TokenizedRequ
 from engine.messages.to_tokenizer import Heartbeat, SchedulerStats
 from scheduler_proc import loop_rules
 from scheduler_proc.loop_rules import HEARTBEAT_S, IDLE_WAIT_S, Draining, IdleClock
-from scheduler_proc.startup import load_model, scheduler_facts
+from scheduler_proc.startup import load_draft, load_model, scheduler_facts
 
 if TYPE_CHECKING:  # NOTE: imported at run time only after the BLAS set-up (see _create)
     from scheduler_proc.scheduler import Scheduler
@@ -75,7 +75,9 @@ def _create(
     from scheduler_proc.scheduler import Scheduler
 
     model_dir, model, eos, times = load_model(config)
-    scheduler = Scheduler(config, model, eos, tokenizer_file=model_dir / "tokenizer.json")
+    draft = load_draft(config, model_dir) if config.spec == "draft" else None
+    tokenizer = model_dir / "tokenizer.json"
+    scheduler = Scheduler(config, model, eos, tokenizer_file=tokenizer, draft=draft)
     facts = scheduler_facts(model_dir, scheduler, config, times)
     return SchedulerLoop(scheduler, endpoints, orphaned, model_dir), facts
 

@@ -58,6 +58,7 @@ class Req:
     thought: int = 0
     force_next: int | None = None
     spec: Any = None  # its speculation state (`speculate.RowSpec`), once it speculated
+    draft: Any = None  # where its draft model's KV is valid (`draft.DraftRow`), --spec draft
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -30,6 +30,7 @@ from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc import backend, decode_attention, memory_limits
 from scheduler_proc.batch import Batch, PromptSlice
+from scheduler_proc.draft import Draft, draft_layout
 from scheduler_proc.grammar import Grammars
 from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
@@ -75,20 +76,26 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         kv_agree: Callable[[KVPlan], KVPlan] | None = None,
         tokenizer_file: Path | None = None,
+        draft: nn.Module | None = None,
     ):
         """`kv_agree`: tensor parallel, the plan every rank can hold (docs/distributed.md);
-        `tokenizer_file`: the model's tokenizer.json, for structured output (grammar.py)."""
+        `tokenizer_file`: the model's tokenizer.json, for structured output (grammar.py);
+        `draft`: `--spec draft`'s model, with the same tokenizer (draft.py)."""
         self.config = config
         layout, self.vocab = probe_model(model)
         max_pos = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         full = [s for s in layout.kv if s.window is None]
         weights = weights_bytes(model)
+        # NOTE: the draft's KV sits in its own pool with the same pages: a token costs both
+        drafts = None if draft is None else draft_layout(draft, self.vocab)
+        draft_bytes = 0 if drafts is None else Draft.token_bytes(drafts)
+        weights += 0 if draft is None else weights_bytes(draft)
         dims = [(s.k_dim, s.v_dim) for s in full]
         self.defaults = backend.step_defaults(config, backend.current(), dims)
         self.chunk_size, self.prefill_budget = self.defaults.chunk, self.defaults.budget
         self.kv_plan = plan_kv(
             config,
-            bytes_per_token(full) or 1,
+            (bytes_per_token(full) or 1) + draft_bytes,
             max_pos,
             weights,
             slot_bytes=_slot_bytes(layout, self.chunk_size, config.context_length or max_pos)
@@ -138,7 +145,11 @@ class Scheduler:
             scores_held=self.defaults.scores_held,
         )
         self.eos = frozenset(eos_token_ids)
-        self.spec = Speculator(config, layout)  # NOTE: `--spec`; off by default
+        self.draft = None
+        if draft is not None and drafts is not None:
+            by_ops = self.runner.prefill_by_ops
+            self.draft = Draft(draft, drafts, self.pool, self.vocab, by_ops)
+        self.spec = Speculator(config, layout, self.draft)  # NOTE: `--spec`; off by default
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap
         # NOTE: rows move while a decode step is in flight (`_move_in_flight`) only where a row

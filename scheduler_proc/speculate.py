@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from scheduler_proc.draft import Draft
 from scheduler_proc.kv_layout import Layout
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.ngram import NgramIndex
@@ -45,7 +46,7 @@ OFF_MAX = 512
 class RowSpec:
     """One request's speculation state (`Req.spec`)."""
 
-    index: NgramIndex
+    index: NgramIndex | None  # prompt lookup's (None: a draft model proposes)
     k: int
     misses: int = 0
     off: int = OFF_TOKENS  # the next off period, in tokens
@@ -54,10 +55,12 @@ class RowSpec:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, layout: Layout) -> None:
+    def __init__(self, config: EngineConfig, layout: Layout, draft: Draft | None = None) -> None:
+        """`draft`: the draft model of `--spec draft` (None: prompt lookup)."""
         self.k_max, self.ngram = config.spec_k, config.spec_ngram
         self.max_rows = config.spec_max_rows
-        self.on = config.spec == "ngram"
+        self.on = config.spec != "off"
+        self.draft = draft
         self.proposed = self.accepted = self.steps = 0
         if self.on and (layout.states or any(s.window is not None for s in layout.kv)):
             log.warning(
@@ -65,6 +68,8 @@ class Speculator:
                 "be rolled back (only full-attention KV can)"
             )
             self.on = False
+        elif self.on and draft is not None:
+            log.info("speculative decoding: a draft model (k <= %d)", self.k_max)
         elif self.on:
             log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
 
@@ -97,23 +102,59 @@ class Speculator:
         proposal, which is cut to what fits); None: no row speculates."""
         if not self.batch_speculates(rows):
             return None
-        out = [self._propose(r, kv) if self.active(r) else None for r in rows]
-        return out if any(p is not None for p in out) else None
+        active = [self.active(r) for r in rows]
+        if not any(active):
+            return None
+        if self.draft is None:
+            return [
+                self._looked_up(r, kv) if a else None for r, a in zip(rows, active, strict=True)
+            ]
+        found = self._drafted([r for r, a in zip(rows, active, strict=True) if a], kv)
+        return [found.get(r.rid, []) if a else None for r, a in zip(rows, active, strict=True)]
 
-    def _propose(self, req: Req, kv: KVManager) -> list[int]:
-        row = req.spec
-        if row is None:
-            row = req.spec = RowSpec(NgramIndex(self.ngram), self.k_max)
-        row.index.extend(req.input_ids, req.output_ids)
-        # NOTE: the step emits at most proposal + 1 tokens, all within the length limit
-        k = min(row.k, req.max_new - len(req.output_ids) - 1)
-        proposal = row.index.propose(k)
-        if req.matcher is not None:  # NOTE: only what its grammar takes; masks come per position
-            proposal = proposal[: req.matcher.validate_tokens(proposal)]
-        if proposal and not kv.grow(req, ahead=1 + len(proposal), evict=False):
-            room = len(req.pages) * kv.pool.page_size - req.kv_len - 1
-            proposal = proposal[: max(room, 0)]
-        return proposal
+    def _row(self, req: Req) -> RowSpec:
+        if req.spec is None:
+            index = NgramIndex(self.ngram) if self.draft is None else None
+            req.spec = RowSpec(index, self.k_max)
+        return req.spec
+
+    def _k(self, req: Req) -> int:
+        """The most the row proposes now: its k, within its length limit (the step emits at
+        most proposal + 1 tokens)."""
+        return max(min(self._row(req).k, req.max_new - len(req.output_ids) - 1), 0)
+
+    @staticmethod
+    def _fit(req: Req, kv: KVManager, n: int) -> int:
+        """Pages for the row's input and `n` proposed tokens, free ones only; how many of the
+        `n` fit."""
+        if n and not kv.grow(req, ahead=1 + n, evict=False):
+            return max(min(n, len(req.pages) * kv.pool.page_size - req.kv_len - 1), 0)
+        return n
+
+    @staticmethod
+    def _valid(req: Req, proposal: list[int]) -> list[int]:
+        """What its grammar takes of the proposal (masks come per position)."""
+        if req.matcher is None:
+            return proposal
+        return proposal[: req.matcher.validate_tokens(proposal)]
+
+    def _looked_up(self, req: Req, kv: KVManager) -> list[int]:
+        index = self._row(req).index
+        assert index is not None
+        index.extend(req.input_ids, req.output_ids)
+        proposal = self._valid(req, index.propose(self._k(req)))
+        return proposal[: self._fit(req, kv, len(proposal))]
+
+    def _drafted(self, reqs: list[Req], kv: KVManager) -> dict[str, list[int]]:
+        """The draft model's proposals for `reqs`, every row in each of its forwards; the pages
+        are taken first (the draft writes its KV where the row's goes)."""
+        assert self.draft is not None
+        ks = [self._fit(r, kv, self._k(r)) for r in reqs]
+        drafting = [(r, k) for r, k in zip(reqs, ks, strict=True) if k > 0]
+        if not drafting:
+            return {}
+        proposals = self.draft.propose([r for r, _ in drafting], [k for _, k in drafting])
+        return {r.rid: self._valid(r, p) for (r, _), p in zip(drafting, proposals, strict=True)}
 
     def verified(self, req: Req, proposal: list[int], accepted: int) -> None:
         """Adapt the row's k to a step that proposed `proposal` and accepted `accepted` of it."""
@@ -141,4 +182,6 @@ class Speculator:
             "spec_proposed_tokens": self.proposed,
             "spec_accepted_tokens": self.accepted,
             "spec_rows_verified": self.steps,  # NOTE: row-steps that verified a proposal
+            # NOTE: tokens the draft model computed to catch rows up to what they hold
+            "spec_draft_caught_up_tokens": 0 if self.draft is None else self.draft.caught_up,
         }

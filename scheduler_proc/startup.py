@@ -31,6 +31,33 @@ def load_model(config: EngineConfig) -> tuple[Path, Any, list[int], tuple[float,
     return model_dir, model, eos, (t1 - t0, t2 - t1)
 
 
+def load_draft(config: EngineConfig, model_dir: Path) -> Any:
+    """`--draft-model`, loaded as the model is (without its adapter); `ModelError` when its
+    tokenizer is not the model's (its tokens would mean other text)."""
+    from dataclasses import replace
+
+    from engine.errors import ModelError
+    from engine.models import resolve_model_dir
+    from scheduler_proc.model_loader import load_for_scheduler
+
+    draft_dir = resolve_model_dir(config.draft_model)
+    if _vocabulary(draft_dir) != _vocabulary(model_dir):
+        raise ModelError(
+            f"the draft model {draft_dir} has another tokenizer than the model {model_dir}: "
+            "a draft must share its tokenizer"
+        )
+    t0 = time.monotonic()
+    draft, _ = load_for_scheduler(str(draft_dir), replace(config, adapter_path=None))
+    log.info("draft model %s loaded in %.1f s", draft_dir, time.monotonic() - t0)
+    return draft
+
+
+def _vocabulary(model_dir: Path) -> dict[str, int]:
+    from engine.tokenizer_loader import load_tokenizer
+
+    return dict(load_tokenizer(model_dir).get_vocab())
+
+
 def scheduler_facts(
     model_dir: Path, scheduler: Scheduler, config: EngineConfig, times: tuple[float, float]
 ) -> SchedulerFacts:

@@ -1,15 +1,18 @@
-"""Prompt-lookup speculation (`--spec ngram`) on an edit workload, in-process, one stream.
+"""Speculative decoding (`--spec ngram`, or `--spec draft`) on an edit workload, in-process,
+one stream.
 
 The prompt holds a ~300-word text and asks for it back with one change, as an agent's edit
 re-emits a file it was shown. The same request (greedy, or sampled with `--temperature` and a
-seed) runs on a scheduler with `--spec off` and with `--spec ngram` (taking turns, `--repeats`
-times each, the best kept); the outputs must be identical.
+seed) runs on a scheduler with `--spec off` and with `--spec ngram` (or, with `--draft-model`,
+`--spec draft`), taking turns, `--repeats` times each, the best kept; the outputs must be
+identical.
 Reported: output tok/s (first token to last, and submit to last), the ratio, and the proposed /
 accepted tokens.
 
   .venv/bin/python scripts/bench_spec.py                    # default model, k 8, n 3
   .venv/bin/python scripts/bench_spec.py --spec-k 4 --max-tokens 200 --repeats 1
   .venv/bin/python scripts/bench_spec.py --temperature 0.7 --top-p 0.95   # sampled, seeded
+  .venv/bin/python scripts/bench_spec.py --draft-model DIR --spec-k 4      # a draft model
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1, help="the sampled request's seed")
+    ap.add_argument(
+        "--draft-model", default=None, help="--spec draft with this draft instead of ngram"
+    )
     args = ap.parse_args()
 
     from engine.cpu_backend import setup_cpu_backend
@@ -97,9 +103,12 @@ def main() -> None:
 
     # NOTE: the prefix cache off, so every run prefills; the modes take turns, so a machine
     # whose load changes during the run weighs on both alike
+    spec = "draft" if args.draft_model else "ngram"
+    draft = load_for_scheduler(args.draft_model, base)[0] if args.draft_model else None
+    on = replace(base, spec=spec, draft_model=args.draft_model, disable_radix_cache=True)
     scheds = {
-        mode: Scheduler(replace(base, spec=mode, disable_radix_cache=True), model, eos)
-        for mode in ("off", "ngram")
+        "off": Scheduler(replace(base, disable_radix_cache=True), model, eos),
+        spec: Scheduler(on, model, eos, draft=draft),
     }
     results: dict[str, dict[str, Any]] = {}
     for i in range(args.repeats):
@@ -107,7 +116,7 @@ def main() -> None:
             run = _run(sched, f"r{i}", prompt, params)
             if mode not in results or run["decode_tps"] > results[mode]["decode_tps"]:
                 results[mode] = run
-    off, on = results["off"], results["ngram"]
+    off, on = results["off"], results[spec]
     same = off["tokens"] == on["tokens"]
     for mode, r in results.items():
         print(

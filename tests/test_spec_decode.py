@@ -23,6 +23,7 @@ from scheduler_util import (
     tokens,
 )
 
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from scheduler_proc import speculate
 from scheduler_proc.kv_cache import token_slots
@@ -111,14 +112,21 @@ def test_greedy_rows_are_identical_beside_rows_that_do_not_speculate(llama, orac
 
 @pytest.fixture
 def _count_accepted(monkeypatch):
-    """Proposal tokens accepted per request id (`Speculator.verified`)."""
+    """Proposal tokens accepted per request id (`Speculator.verified`); `.steps[rid]`: each
+    verifying step's (proposed, accepted)."""
 
-    def start(rids) -> dict[str, int]:
-        accepted = dict.fromkeys(rids, 0)
+    class Accepted(dict):
+        steps: dict[str, list[tuple[int, int]]]
+
+    def start(rids) -> Accepted:
+        accepted = Accepted.fromkeys(rids, 0)
+        accepted.steps = {}
         verified = speculate.Speculator.verified
 
         def counted(self, req, proposal, n):
             accepted[req.rid] = accepted.get(req.rid, 0) + n
+            if proposal:
+                accepted.steps.setdefault(req.rid, []).append((len(proposal), n))
             verified(self, req, proposal, n)
 
         monkeypatch.setattr(speculate.Speculator, "verified", counted)
@@ -366,6 +374,82 @@ def test_a_row_that_accepts_nothing_stops_speculating(llama, monkeypatch):
     assert stats["steps_chained"] > 0
 
 
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A draft of another shape (1 layer, 4 KV heads of 8) and other random weights."""
+    from engine.random_model import TINY_LLAMA, make_random_model
+
+    shape = {**TINY_LLAMA, "num_hidden_layers": 1, "num_key_value_heads": 4, "head_dim": 8}
+    return tiny_model(make_random_model(tmp_path_factory.mktemp("draft"), shape, seed=3))
+
+
+def _drafting(model, draft, **overrides) -> Scheduler:
+    config = dict(spec="draft", draft_model="(in memory)", spec_k=4, page_size=4, **overrides)
+    base = dict(max_running_requests=32, max_total_tokens=40 * 2048, context_length=2048)
+    return Scheduler(EngineConfig(**{**base, **config}), model, (), draft=draft)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+def test_a_draft_that_is_the_model_has_every_proposal_accepted(
+    llama, overlap, pool, _count_accepted
+):
+    """The mechanism's ceiling: a draft with the model's own weights proposes exactly the
+    model's greedy tokens, so a greedy row accepts every proposal whole (k + 1 tokens a step)
+    and streams mlx-lm's tokens, so long as the draft's KV is right: caught up lazily, in the
+    row's own pages, computed again after a preemption (a tight pool) and over a prefix hit (a
+    later request sharing a prompt). A sampled row beside them streams what it would without
+    speculation."""
+    accepted = _count_accepted([])
+    rng = random.Random(4)
+    prompts = [random_prompt(rng, 20 + 7 * i) for i in range(4)]
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=2, ignore_eos=True)
+    arrivals = {0: [(f"g{i}", p, greedy(30)) for i, p in enumerate(prompts)]}
+    arrivals[2] = [("sampled", random_prompt(rng, 25), sampled)]
+    arrivals[12] = [("hit", prompts[0] + random_prompt(rng, 5), greedy(30))]
+    tight = dict(max_total_tokens=192, context_length=192, max_running_requests=6)
+    extra = tight if pool == "tight" else {}
+    plain = drive(make_scheduler(llama, page_size=4, **extra), arrivals)
+    sched = _drafting(llama, llama, disable_overlap=not overlap, **extra)
+    outs = drive(sched, arrivals)
+    for rid, prompt, _ in arrivals[0] + arrivals[12]:
+        assert tokens(outs[rid]) == reference_greedy(llama, prompt, 30), rid
+        steps = accepted.steps[rid]
+        assert all(n == k for k, n in steps), (rid, steps)
+        assert sum(n for _, n in steps) >= 20, (rid, steps)
+    assert tokens(outs["sampled"]) == tokens(plain["sampled"])
+    stats = sched.stats()
+    assert (stats["requests_preempted"] > 0) == (pool == "tight"), stats
+    assert stats["spec_draft_caught_up_tokens"] > 0
+    assert_pages_balanced(sched)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_smaller_draft_keeps_every_stream_and_survives_preemption(llama, small_draft, overlap):
+    """A draft of another shape and weights proposes mostly wrong tokens: every greedy stream
+    is still mlx-lm's, across preemption (a preempted row's draft KV is computed again in its
+    new pages) and prefix hits (a later request sharing a prompt)."""
+    rng = random.Random(8)
+    reqs = [(f"r{i}", random_prompt(rng, 20 + 3 * i), 40) for i in range(6)]
+    shared = reqs[0][1] + random_prompt(rng, 6)
+    sched = _drafting(
+        llama,
+        small_draft,
+        max_total_tokens=160,
+        context_length=160,
+        max_running_requests=6,
+        disable_overlap=not overlap,
+    )
+    arrivals = {0: [(rid, p, greedy(n)) for rid, p, n in reqs], 60: [("hit", shared, greedy(20))]}
+    outs = drive(sched, arrivals)
+    for rid, prompt, n in reqs:
+        assert tokens(outs[rid]) == reference_greedy(llama, prompt, n), rid
+    assert tokens(outs["hit"]) == reference_greedy(llama, shared, 20)
+    stats = sched.stats()
+    assert stats["requests_preempted"] > 0 and stats["spec_proposed_tokens"] > 0, stats
+    assert_pages_balanced(sched)
+
+
 EDIT_TEXT = (
     "The keeper climbed the one hundred and twelve steps to the lamp room every evening, "
     "trimmed the wick, polished the great lens with a soft cloth and wrote the state of the "
@@ -403,10 +487,11 @@ def test_the_default_model_repeating_a_text_accepts_most_proposals(default_model
 
 
 def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp_path):
-    """`--spec ngram` through `mlx-engine launch`: a greedy request whose prompt holds what the
-    model goes on to write gets proposals, accepted and counted on /metrics; its tokens equal
-    those of the engine without it. (The scripted model writes its answer token by token, so a
-    prompt of the answer's start, twice, is continued by the rest: found in the prompt.)"""
+    """`--spec ngram` and `--spec draft` (the model as its own draft) through `mlx-engine
+    launch`: a greedy request whose prompt holds what the model goes on to write gets
+    proposals, accepted and counted on /metrics; its tokens equal those of the engine without
+    it. (The scripted model writes its answer token by token, so a prompt of the answer's
+    start, twice, is continued by the rest: found in the prompt.)"""
     import urllib.request
 
     from engine_harness import LaunchedEngine
@@ -418,9 +503,10 @@ def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp
     script = load_tokenizer(tiny_think_model_dir).encode(ANSWER, add_special_tokens=False)
     prompt = script[:6] + script[:2]
     kw = {"input_ids": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    outs, counts = [], {}
-    for args in ((), ("--spec", "ngram")):
-        engine = LaunchedEngine(tiny_think_model_dir, tmp_path / f"{len(args)}.log", *args)
+    outs, counts = [], []
+    draft = ("--spec", "draft", "--draft-model", str(tiny_think_model_dir))
+    for i, args in enumerate(((), ("--spec", "ngram"), draft)):
+        engine = LaunchedEngine(tiny_think_model_dir, tmp_path / f"{i}.log", *args)
         try:
             engine.wait_ready()
             with EngineClient(engine.address, timeout=60) as client:
@@ -429,9 +515,22 @@ def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp
                 lines = r.read().decode().splitlines()
         finally:
             engine.stop()
-        counts = {
-            ln.split()[0]: float(ln.split()[1]) for ln in lines if ln.startswith("mlx_engine_spec")
-        }
-    assert outs[0] == outs[1] == script[2:6]
-    assert counts["mlx_engine_spec_proposed_tokens_total"] > 0, counts
-    assert counts["mlx_engine_spec_accepted_tokens_total"] > 0, counts
+        spec = [ln.split() for ln in lines if ln.startswith("mlx_engine_spec")]
+        counts.append({name: float(value) for name, value in spec})
+    assert outs[0] == outs[1] == outs[2] == script[2:6]
+    for n in counts[1:]:
+        assert n["mlx_engine_spec_proposed_tokens_total"] > 0, n
+        assert n["mlx_engine_spec_accepted_tokens_total"] > 0, n
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start(
+    tiny_think_model_dir, tiny_tool_model_dir, tmp_path
+):
+    """A draft whose tokens mean other text (another tokenizer) would only ever be rejected:
+    the engine does not start, and says why."""
+    from engine_harness import LaunchedEngine
+
+    args = ("--spec", "draft", "--draft-model", str(tiny_tool_model_dir))
+    engine = LaunchedEngine(tiny_think_model_dir, tmp_path / "launch.log", *args)
+    with pytest.raises(RuntimeError, match="another tokenizer than the model"):
+        engine.wait_ready()
