@@ -117,10 +117,10 @@ class Draft:
                 for (r, s), n in zip(todo, lengths, strict=True)
             ]
             todo_rows = [r for r, _ in todo]
-            logits = self._forward(
-                mx.array(grid, dtype=mx.int32), todo_rows, [s for _, s in todo], lengths
-            )
-            mx.eval(logits[:, :1], self.pool.keys, self.pool.values)
+            self._forward(mx.array(grid, dtype=mx.int32), todo_rows, [s for _, s in todo], lengths)
+            # NOTE: the KV alone: the logits (the vocabulary's head, for every position) are
+            # never computed
+            mx.eval(self.pool.keys, self.pool.values)
             for (r, s), n in zip(todo, lengths, strict=True):
                 _row(r).upto = s + n
             self.caught_up += sum(lengths)
