@@ -178,9 +178,13 @@ class Speculator:
             row.off = min(row.off * 2, OFF_MAX)
 
     def stats(self) -> dict[str, int]:
+        proposer = "draft" if self.draft is not None else "ngram"
         return {
             "spec_proposed_tokens": self.proposed,
             "spec_accepted_tokens": self.accepted,
+            # NOTE: by proposer, for /metrics' `proposer` label (one proposer per engine)
+            f"spec_proposed_tokens_{proposer}": self.proposed,
+            f"spec_accepted_tokens_{proposer}": self.accepted,
             "spec_rows_verified": self.steps,  # NOTE: row-steps that verified a proposal
             # NOTE: tokens the draft model computed to catch rows up to what they hold
             "spec_draft_caught_up_tokens": 0 if self.draft is None else self.draft.caught_up,

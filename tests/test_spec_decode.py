@@ -491,7 +491,8 @@ def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp
     launch`: a greedy request whose prompt holds what the model goes on to write gets
     proposals, accepted and counted on /metrics; its tokens equal those of the engine without
     it. (The scripted model writes its answer token by token, so a prompt of the answer's
-    start, twice, is continued by the rest: found in the prompt.)"""
+    start, twice, is continued by the rest: found in the prompt.) Each counts under its own
+    proposer."""
     import urllib.request
 
     from engine_harness import LaunchedEngine
@@ -518,9 +519,13 @@ def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp
         spec = [ln.split() for ln in lines if ln.startswith("mlx_engine_spec")]
         counts.append({name: float(value) for name, value in spec})
     assert outs[0] == outs[1] == outs[2] == script[2:6]
-    for n in counts[1:]:
-        assert n["mlx_engine_spec_proposed_tokens_total"] > 0, n
-        assert n["mlx_engine_spec_accepted_tokens_total"] > 0, n
+    for n, (proposer, other) in zip(
+        counts[1:], [("ngram", "draft"), ("draft", "ngram")], strict=True
+    ):
+        for what in ("proposed", "accepted"):
+            name = f"mlx_engine_spec_{what}_tokens_total"
+            assert n[f'{name}{{proposer="{proposer}"}}'] > 0, n
+            assert n[f'{name}{{proposer="{other}"}}'] == 0, n
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start(

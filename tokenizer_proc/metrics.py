@@ -52,14 +52,18 @@ STATS = (
     _counter("steps_launched", "Model steps launched on the device"),
     _counter("steps_prefill", "Steps whose forward ran prompt chunks"),
     _counter("steps_chained", "Steps launched on the step before's lazy tokens (overlap loop)"),
-    _counter("spec_proposed_tokens", "Tokens proposed by speculative decoding (--spec)"),
-    _counter("spec_accepted_tokens", "Proposed tokens the model's own step accepted"),
     _counter("requests_received", "Generation requests received"),
     _counter("requests_rejected", "Requests refused with an error"),
 )
 FINISH_REASONS: tuple[str, ...] = get_args(FinishReason)
 # NOTE: the scheduler's `BREAKS` (not imported: the front door does not load MLX)
 CHAIN_BREAKS = ("seat", "finish", "forced", "spec", "prefill", "pages")
+# NOTE: speculative decoding's proposers (`--spec`): counted apart, so acceptance is per proposer
+PROPOSERS = ("ngram", "draft")
+SPEC = (
+    ("spec_proposed_tokens", "Tokens proposed by speculative decoding (--spec), by proposer"),
+    ("spec_accepted_tokens", "Proposed tokens the model's own step accepted, by proposer"),
+)
 
 
 class Metrics:
@@ -127,4 +131,9 @@ class _Snapshot:
         for reason in CHAIN_BREAKS:
             breaks.add_metric([reason], float(stats.get(f"chain_breaks_{reason}", 0.0)))
         yield breaks
+        for name, doc in SPEC:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["proposer"])
+            for proposer in PROPOSERS:
+                family.add_metric([proposer], float(stats.get(f"{name}_{proposer}", 0.0)))
+            yield family
         yield from router_metrics.families(stats, self.metrics.model, self.metrics.adapter)
