@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import ModelError
+from scheduler_proc import decode_attention
 from scheduler_proc.kv_cache import KVPool, StepRows
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model
 from scheduler_proc.request import Req
@@ -58,10 +59,13 @@ def draft_layout(model: Any, vocab: int) -> Layout:
 
 class Draft:
     def __init__(
-        self, model: Any, layout: Layout, target: KVPool, vocab: int, by_ops: bool
+        self, model: Any, layout: Layout, target: KVPool, vocab: int, by_ops: bool, split: bool
     ) -> None:
-        """`by_ops`: catch-up chunks attend by MLX's ops, as the target's prompt chunks do."""
+        """`by_ops`: catch-up chunks attend by MLX's ops, as the target's prompt chunks do;
+        `split`: one-token forwards attend in groups of rows by length, as the target's decode
+        does off CUDA (a long row beside short ones would have every row read its keys)."""
         self.model, self.vocab, self.target, self.by_ops = model, vocab, target, by_ops
+        self.split = split and bool(decode_attention.install(model))
         self.pool = KVPool(
             layout,
             target.pages,
@@ -138,7 +142,7 @@ class Draft:
         )
         ends = max(s + width for s in starts)
         kv_len = self.pool.pages_for(ends) * self.pool.page_size
-        view = self.pool.ragged_view(plan, kv_len, by_ops=self.by_ops)
+        view = self.pool.ragged_view(plan, kv_len, by_ops=self.by_ops, split=self.split)
         return self.model(tokens, cache=view)
 
 

@@ -147,8 +147,8 @@ class Scheduler:
         self.eos = frozenset(eos_token_ids)
         self.draft = None
         if draft is not None and drafts is not None:
-            by_ops = self.runner.prefill_by_ops
-            self.draft = Draft(draft, drafts, self.pool, self.vocab, by_ops)
+            by_ops, split = self.runner.prefill_by_ops, not self.runner.fused_decode
+            self.draft = Draft(draft, drafts, self.pool, self.vocab, by_ops, split)
         self.spec = Speculator(config, layout, self.draft)  # NOTE: `--spec`; off by default
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap

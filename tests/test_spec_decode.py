@@ -397,9 +397,9 @@ def test_a_draft_that_is_the_model_has_every_proposal_accepted(
     """The mechanism's ceiling: a draft with the model's own weights proposes exactly the
     model's greedy tokens, so a greedy row accepts every proposal whole (k + 1 tokens a step)
     and streams mlx-lm's tokens, so long as the draft's KV is right: caught up lazily, in the
-    row's own pages, computed again after a preemption (a tight pool) and over a prefix hit (a
-    later request sharing a prompt). A sampled row beside them streams what it would without
-    speculation."""
+    row's own pages, computed again after a preemption (a tight pool), over a prefix hit (a
+    later request sharing a prompt) and beside a long row (one-token forwards in length
+    groups). A sampled row beside them streams what it would without speculation."""
     accepted = _count_accepted([])
     rng = random.Random(4)
     prompts = [random_prompt(rng, 20 + 7 * i) for i in range(4)]
@@ -409,6 +409,8 @@ def test_a_draft_that_is_the_model_has_every_proposal_accepted(
     arrivals[12] = [("hit", prompts[0] + random_prompt(rng, 5), greedy(30))]
     tight = dict(max_total_tokens=192, context_length=192, max_running_requests=6)
     extra = tight if pool == "tight" else {}
+    if pool == "roomy":  # NOTE: a long row: the short ones' draft forwards attend apart from it
+        arrivals[0].append(("long", random_prompt(rng, 400), greedy(30)))
     plain = drive(make_scheduler(llama, page_size=4, **extra), arrivals)
     sched = _drafting(llama, llama, disable_overlap=not overlap, **extra)
     outs = drive(sched, arrivals)
