@@ -132,8 +132,8 @@ class _Snapshot:
             breaks.add_metric([reason], float(stats.get(f"chain_breaks_{reason}", 0.0)))
         yield breaks
         for name, doc in SPEC:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=["proposer"])
+            spec = CounterMetricFamily(PREFIX + name, doc, labels=["proposer"])
             for proposer in PROPOSERS:
-                family.add_metric([proposer], float(stats.get(f"{name}_{proposer}", 0.0)))
-            yield family
+                spec.add_metric([proposer], float(stats.get(f"{name}_{proposer}", 0.0)))
+            yield spec
         yield from router_metrics.families(stats, self.metrics.model, self.metrics.adapter)
