@@ -40,7 +40,10 @@ def load_draft(config: EngineConfig, model_dir: Path) -> Any:
     from engine.models import resolve_model_dir
     from scheduler_proc.model_loader import load_for_scheduler
 
-    draft_dir = resolve_model_dir(config.draft_model)
+    try:
+        draft_dir = resolve_model_dir(config.draft_model)
+    except ModelError as e:
+        raise ModelError(f"--draft-model: {e}") from None
     if _vocabulary(draft_dir) != _vocabulary(model_dir):
         raise ModelError(
             f"the draft model {draft_dir} has another tokenizer than the model {model_dir}: "

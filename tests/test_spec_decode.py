@@ -534,10 +534,14 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(
     tiny_think_model_dir, tiny_tool_model_dir, tmp_path
 ):
     """A draft whose tokens mean other text (another tokenizer) would only ever be rejected:
-    the engine does not start, and says why."""
+    the engine does not start, and says why; nor with a draft that is not there."""
     from engine_harness import LaunchedEngine
 
     args = ("--spec", "draft", "--draft-model", str(tiny_tool_model_dir))
     engine = LaunchedEngine(tiny_think_model_dir, tmp_path / "launch.log", *args)
     with pytest.raises(RuntimeError, match="another tokenizer than the model"):
+        engine.wait_ready()
+    args = ("--spec", "draft", "--draft-model", str(tmp_path / "nothing-here"))
+    engine = LaunchedEngine(tiny_think_model_dir, tmp_path / "missing.log", *args)
+    with pytest.raises(RuntimeError, match="--draft-model: .*nothing-here: no such model"):
         engine.wait_ready()
