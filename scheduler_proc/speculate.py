@@ -1,13 +1,13 @@
-"""Speculative decoding inside the decode step: prompt lookup, for greedy and sampled rows.
+"""Speculative decoding inside the decode step: proposals by prompt lookup or a draft model.
 
-A speculating row runs its input token and its proposal (`ngram.NgramIndex`) as one chunk of the
-decode step, through the path prompt chunks take: every position's logits, each position's KV
-written. Each position's token is drawn as plain decoding would draw it there (greedy: the
-argmax; sampled: the row's filters and its own noise counter; `sampling.sample_ahead`). The row
-keeps the longest prefix of the proposal that its own tokens reproduce, plus the token after it,
-so its output is the one it would have decoded token by token, seeded or not (for a proposal of
-single tokens this is speculative sampling's rejection rule); the KV of what it rejected is
-rolled back (its `kv_len` set back, whole pages past it returned).
+A speculating row runs its input token and its proposal (`ngram.NgramIndex`, or a draft model's:
+`draft.Draft`) as one chunk of the decode step, through the path prompt chunks take: every
+position's logits, each position's KV written. Each position's token is drawn as plain decoding
+would draw it there (greedy: the argmax; sampled: the row's filters and its own noise counter;
+`sampling.sample_ahead`). The row keeps the longest prefix of the proposal that its own tokens
+reproduce, plus the token after it, so its output is the one it would have decoded token by token,
+seeded or not (for a proposal of single tokens this is speculative sampling's rejection rule); the
+KV of what it rejected is rolled back (its `kv_len` set back, whole pages past it returned).
 
 Position j's draw counts the proposal's tokens up to it for the row's penalties, and its logprobs
 are reported for every token kept; a constrained row proposes only what its grammar takes, and each
