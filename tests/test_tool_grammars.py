@@ -76,6 +76,10 @@ RUNS = [
 ]
 
 
+# NOTE: formats whose tags take many tokens (`<longcat_arg_value>` is 8 of this tokenizer's)
+LONGER = {"longcat": 2}
+
+
 @pytest.mark.parametrize("fmt", tf.NATIVE)
 def test_sampled_forced_calls_parse_and_hold_to_their_schemas(samplers, fmt):
     """`required` with and without parallel calls, and a named tool, from a random model: every
@@ -84,7 +88,7 @@ def test_sampled_forced_calls_parse_and_hold_to_their_schemas(samplers, fmt):
     scripts/check_tool_calls.py.)"""
     sampler = samplers(fmt)
     for msg, samples, max_tokens, share in RUNS:
-        replies = sampler.sample(msg, samples, max_tokens)
+        replies = sampler.sample(msg, samples, max_tokens * LONGER.get(fmt, 1))
         ended = [text for end, text in replies if end == "stop"]
         bad = [(t, why) for t in ended if (why := tf.verify(sampler.tokenizer, msg, t))]
         assert not bad, (fmt, msg.tool_choice, msg.parallel_tool_calls, bad[:3])
@@ -278,6 +282,38 @@ def test_glm47_strings_are_raw_text_and_the_rest_json(build):
         call("a", "null", "y"),  # NOTE: an untyped enum is JSON
     ]
     _check(build, "glm47", good, bad, tools=[tool])
+
+
+def test_longcat_writes_a_call_without_parameters_as_json(build):
+    """LongCat's parser fails on a call whose name has no key after it, and reads a block that
+    starts with `{` as JSON: a call without parameters is that JSON, and a call in tags to a
+    tool whose parameters are all optional has at least one of them, in their order."""
+    tools = [
+        _tool("now", {}),
+        _tool("opt", {"a": {"type": "integer"}, "b": {"type": "string"}}),
+    ]
+
+    def call(body: str) -> str:
+        return f"<longcat_tool_call>{body}</longcat_tool_call>"
+
+    def arg(k: str, v: str) -> str:
+        return (
+            f"<longcat_arg_key>{k}</longcat_arg_key>\n<longcat_arg_value>{v}</longcat_arg_value>\n"
+        )
+
+    good = [
+        call('{"name": "now", "arguments": {}}'),
+        call('{"name": "opt", "arguments": {}}'),
+        call("opt\n" + arg("a", "3") + arg("b", "x y")),
+        call("opt\n" + arg("b", "x")),
+    ]
+    bad = [
+        call("now\n"),  # NOTE: the parser finds no name without a key after it
+        call("opt\n"),
+        call("opt\n" + arg("b", "x") + arg("a", "3")),  # NOTE: out of their order
+        call('{"name": "now", "arguments": {"a": 1}}'),
+    ]
+    _check(build, "longcat", good, bad, tools=tools)
 
 
 def test_minimax_m2_values_by_the_types_the_parser_reads(build):

@@ -117,6 +117,14 @@ FORMATS: dict[str, Format] = {
             f"<tool_call>{_NAME}</tool_call>",
         ),
     ),
+    "longcat": Format(
+        ("<longcat_tool_call>", "</longcat_tool_call>"),
+        _template(
+            "Call as <longcat_tool_call>NAME<longcat_arg_key>K</longcat_arg_key>"
+            "<longcat_arg_value>V</longcat_arg_value></longcat_tool_call>",
+            f"<longcat_tool_call>{_NAME}</longcat_tool_call>",
+        ),
+    ),
 }
 # NOTE: the default model's own template, which has no tool calling: the generic form
 GENERIC = "generic"
@@ -129,6 +137,7 @@ NATIVE = (
     "glm47",
     "kimi_k2",
     "minimax_m2",
+    "longcat",
 )
 
 

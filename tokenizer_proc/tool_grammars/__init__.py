@@ -16,6 +16,7 @@ from tokenizer_proc.tool_grammars import (
     glm47,
     json_tools,
     kimi_k2,
+    longcat,
     minimax_m2,
     mistral,
     pythonic,
@@ -33,6 +34,7 @@ BUILDERS: dict[str, Builder] = {
     "glm47": glm47.grammar,
     "kimi_k2": kimi_k2.grammar,
     "minimax_m2": minimax_m2.grammar,
+    "longcat": longcat.grammar,
 }
 
 

@@ -26,6 +26,9 @@ class Tags:
     call: str  # NOTE: a call's head, `{}` for the tool's name
     param: str  # NOTE: a parameter's head, `{}` for its key
     value: Value
+    # NOTE: where the parser reads no call of a head alone: the text of a call without
+    # parameters (the tool's name in), and a call in tags then has at least one
+    empty: Callable[[str], str] | None = None
 
 
 def build(
@@ -70,4 +73,9 @@ def _call(tags: Tags, rule: str, function: dict[str, Any], end: str) -> list[str
         rules += [f'{name}: {head} {name}_v "\\n"', *value]
         items.append(name + ("" if param.required else "?"))
     head = literal(tags.call.format(function["name"]))
-    return [f"{rule}: {head} {' '.join(items)}".rstrip(), *rules]
+    if tags.empty is None or any(p.required for p in params):
+        return [f"{rule}: {head} {' '.join(items)}".rstrip(), *rules]
+    # NOTE: every parameter optional: the first one present starts each alternative
+    alts = [" ".join([items[i].rstrip("?"), *items[i + 1 :]]) for i in range(len(items))]
+    alts = [f"{head} {alt}" for alt in alts] + [literal(tags.empty(function["name"]))]
+    return [f"{rule}: {' | '.join(alts)}", *rules]
