@@ -50,9 +50,8 @@ class Batch:
     # their logprobs when asked for, lazy
     proposals: list[list[int] | None] | None = None
     spec_out: Sampled | None = None
-    spec_allowed: np.ndarray | None = (
-        None  # constrained rows' masks there, `(rows * (width - 1), words)`
-    )
+    # NOTE: constrained rows' masks at the proposal's positions, `(rows * (width - 1), words)`
+    spec_allowed: np.ndarray | None = None
     # NOTE: a prefill step queued right after this chained decode step, riding its chain
     beside: Batch | None = None
 

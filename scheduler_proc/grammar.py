@@ -69,18 +69,8 @@ class Grammars:
 
     def fill(self, matchers: list[Any | None]) -> np.ndarray | None:
         """The packed masks of one step's rows (None where no row is constrained)."""
-        rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return None
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        t0 = time.perf_counter()
-        words = (self.vocab + 31) // 32
-        masks = np.full((len(matchers), words), -1, dtype=np.int32)
-        fill_next_token_bitmask_par(self._executor, rows, masks)
-        self.mask_s += time.perf_counter() - t0
-        self.masks += len(rows)
-        return masks
+        filled = self.fill_ahead(matchers, [[] for _ in matchers], 0)
+        return None if filled is None else filled[0]
 
     def fill_ahead(
         self, matchers: list[Any | None], proposals: list[list[int]], w: int

@@ -146,7 +146,7 @@ class Scheduler:
         )
         self.eos = frozenset(eos_token_ids)
         self.draft = None
-        if draft is not None and drafts is not None:
+        if drafts is not None:
             by_ops, split = self.runner.prefill_by_ops, not self.runner.fused_decode
             self.draft = Draft(draft, drafts, self.pool, self.vocab, by_ops, split)
         self.spec = Speculator(config, layout, self.draft)  # NOTE: `--spec`; off by default

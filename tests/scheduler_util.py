@@ -27,12 +27,17 @@ def tiny_model(path: Path) -> Any:
 
 
 def make_scheduler(
-    model: Any, eos: tuple[int, ...] = (), tokenizer_file: Path | None = None, **overrides: Any
+    model: Any,
+    eos: tuple[int, ...] = (),
+    tokenizer_file: Path | None = None,
+    draft: Any = None,
+    **overrides: Any,
 ) -> Scheduler:
+    """`draft`: `--spec draft`'s model (pass `spec="draft"` and a `draft_model` name too)."""
     # NOTE: 32 rows + the scratch row, and 7 rows' worth of prefix store.
     base = dict(max_running_requests=32, max_total_tokens=40 * 2048, context_length=2048)
     config = EngineConfig(**{**base, **overrides})
-    return Scheduler(config, model, eos, tokenizer_file=tokenizer_file)
+    return Scheduler(config, model, eos, tokenizer_file=tokenizer_file, draft=draft)
 
 
 def bucketed(sched: Scheduler, warm: bool = True) -> Scheduler:

@@ -23,7 +23,6 @@ from scheduler_util import (
     tokens,
 )
 
-from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from scheduler_proc import speculate
 from scheduler_proc.kv_cache import token_slots
@@ -384,9 +383,8 @@ def small_draft(tmp_path_factory):
 
 
 def _drafting(model, draft, **overrides) -> Scheduler:
-    config = dict(spec="draft", draft_model="(in memory)", spec_k=4, page_size=4, **overrides)
-    base = dict(max_running_requests=32, max_total_tokens=40 * 2048, context_length=2048)
-    return Scheduler(EngineConfig(**{**base, **config}), model, (), draft=draft)
+    spec = dict(spec="draft", draft_model="(in memory)", spec_k=4, page_size=4)
+    return make_scheduler(model, draft=draft, **spec, **overrides)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
