@@ -2,7 +2,9 @@
 
 The proposal is what followed the latest earlier occurrence of the request's last n tokens,
 longest n first. An agent's edit re-emits much of a file that sits in its prompt, so after a few
-tokens of a line its continuation is found there. Pure host code: no MLX, no scheduler state.
+tokens of a line its continuation is found there. A continuation that runs into the request's end
+goes on as the repetition it is (a loop of p tokens proposes k tokens, not the p up to the end).
+Pure host code: no MLX, no scheduler state.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class NgramIndex:
 
     def propose(self, k: int) -> list[int]:
         """At most `k` tokens that followed the latest earlier occurrence of the last n tokens
-        (the longest n that occurred); [] when none did."""
+        (the longest n that occurred); [] when none did. Past the end, the continuation copies
+        itself: from an occurrence `end - at` tokens back, each proposed token is the one that
+        many before it, as the sequence would go on if it repeats."""
         toks, end = self.tokens, len(self.tokens)
         # NOTE: continuation positions i < end are known; the suffix itself (continued at `end`)
         # is indexed only once its next token is.
@@ -49,5 +53,12 @@ class NgramIndex:
             if end > n:
                 at = self._after[n].get(tuple(toks[end - n :]))
                 if at is not None:
-                    return toks[at : at + k]
+                    return _continued(toks, at, k)
         return []
+
+
+def _continued(toks: list[int], at: int, k: int) -> list[int]:
+    """`k` tokens from `at` on, the ones past the end repeating with period `len(toks) - at`."""
+    period = len(toks) - at
+    known = toks[at:]
+    return [known[j % period] for j in range(k)]

@@ -702,7 +702,7 @@ class Scheduler:
         if batch.decode_out is None:
             return
         tokens, logprobs = _host(batch.decode_out)
-        self.step_times.add(batch, time.monotonic())
+        self.spec.stepped(batch, self.step_times.add(batch, time.monotonic()))
         for req in batch.joined:
             self._start_decoding(req)
         if batch.proposals is not None:

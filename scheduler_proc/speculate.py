@@ -15,7 +15,9 @@ position is drawn under its own mask (the matcher advanced through the proposal,
 `Grammars.fill_ahead`). A token a thinking budget forces replaces the drawn one, as without
 speculation. A model with recurrent state or window rings does not speculate: their writes cannot be
 taken back by setting a length. A row's k adapts: up after a proposal accepted whole, down to what
-was accepted after a partial one, and off for a while after steps that accepted nothing.
+was accepted after a partial one, and off for a while after steps that did not pay: a step pays
+when it emits more tokens than a speculating step costs in plain steps (`spec_pace.Pace`,
+measured as the engine runs: ~1.2 plain steps on a CPU, ~3 on a GPU, where it loses the chain).
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from scheduler_proc.batch import Batch
 from scheduler_proc.draft import Draft
 from scheduler_proc.kv_layout import Layout
 from scheduler_proc.kv_manager import KVManager
 from scheduler_proc.ngram import NgramIndex
 from scheduler_proc.request import Req
+from scheduler_proc.spec_pace import Pace
 
 log = logging.getLogger(__name__)
 
-# NOTE: steps in a row that accepted nothing (no proposal, or all of it rejected) before a row
+# NOTE: steps in a row that did not pay (no proposal, or too little of it accepted) before a row
 # stops speculating; while it speculates it breaks the overlap loop's chain (its next input
 # depends on what is accepted), which costs a chained step's overlap on CUDA.
 MISSES_OFF = 3
@@ -62,6 +66,7 @@ class Speculator:
         self.on = config.spec != "off"
         self.draft = draft
         self.proposed = self.accepted = self.steps = 0
+        self.pace = Pace()
         if self.on and (layout.states or any(s.window is not None for s in layout.kv)):
             log.warning(
                 "speculative decoding off: the model's recurrent state or window rings cannot "
@@ -93,8 +98,17 @@ class Speculator:
 
         NOTE: at 128 agents on a GPU every eligible row speculating cost 4x the step time
         (no chained step, ITL 40 ms vs 9 ms: docs/scheduler.md); a large batch is compute-bound
-        and keeps its chain."""
-        return self.on and len(rows) <= self.max_rows
+        and keeps its chain. Nor while plain steps are measured (`Pace.probing`)."""
+        return self.on and len(rows) <= self.max_rows and not self.pace.probing
+
+    def stepped(self, batch: Batch, interval: float | None) -> None:
+        """A decode step's tokens arrived, `interval` seconds after the previous decode step's
+        (`StepTimes.add`): the pace of speculating and plain steps of as many rows as may
+        speculate, from steps that carried nothing but decoding."""
+        if not self.on or len(batch.rows) > self.max_rows:
+            return
+        pure = not batch.joined and batch.beside is None
+        self.pace.stepped(interval if pure else None, batch.proposals is not None, batch.chained)
 
     def plan(self, rows: list[Req], kv: KVManager) -> list[list[int] | None] | None:
         """Each decode row's proposal ([]: it speculates but found none; None: it does not
@@ -167,9 +181,10 @@ class Speculator:
             self.accepted += accepted
             row.history.append((len(proposal), accepted))
         if accepted:
-            row.misses, row.off = 0, OFF_TOKENS
             full = accepted == len(proposal)
             row.k = min(self.k_max, row.k + 1 if full else max(accepted, 1))
+        if 1 + accepted > self.pace.break_even():
+            row.misses, row.off = 0, OFF_TOKENS
             return
         row.misses += 1
         if row.misses >= MISSES_OFF:
@@ -177,7 +192,7 @@ class Speculator:
             row.resume_at = len(req.output_ids) + row.off
             row.off = min(row.off * 2, OFF_MAX)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         proposer = "draft" if self.draft is not None else "ngram"
         return {
             "spec_proposed_tokens": self.proposed,
@@ -188,4 +203,7 @@ class Speculator:
             "spec_rows_verified": self.steps,  # NOTE: row-steps that verified a proposal
             # NOTE: tokens the draft model computed to catch rows up to what they hold
             "spec_draft_caught_up_tokens": 0 if self.draft is None else self.draft.caught_up,
+            # NOTE: wall ms of a speculating and of a chained plain step (0: not measured yet)
+            "spec_step_ms": round((self.pace.spec_s or 0.0) * 1e3, 2),
+            "spec_plain_step_ms": round((self.pace.plain_s or 0.0) * 1e3, 2),
         }

@@ -47,12 +47,15 @@ class StepTimes:
             self._prefills.append(batch)
             self.new_shapes += batch.new_shape
 
-    def add(self, batch: Batch, now: float) -> None:
-        """A decode step's tokens reached the host."""
+    def add(self, batch: Batch, now: float) -> float | None:
+        """A decode step's tokens reached the host. Returns the wall seconds since the previous
+        decode step's tokens when no prefill step ran between them (None otherwise): the pace
+        its rows saw, host work included."""
         assert batch.launch_ts is not None
         before, self._prefills = self._prefills, []
         start = before[0].launch_ts if before else batch.launch_ts
         dt = now - max(start or 0.0, self._free_since)
+        interval = now - self._free_since if self._free_since and not before else None
         self._free_since = now
         kind = "chained" if batch.chained else ("joined" if batch.joined else "decode")
         times = self._times.setdefault(kind, deque(maxlen=self._window))
@@ -80,6 +83,7 @@ class StepTimes:
                 self._log_slow(batch, kind, dt, slow + f" ({_after(before)})", now)
         if not before:
             times.append(dt)
+        return interval
 
     def _log_slow(self, batch: Batch, kind: str, dt: float, why: str, now: float) -> None:
         if now < self._quiet_until:

@@ -24,7 +24,7 @@ from scheduler_util import (
 )
 
 from engine.sampling_params import SamplingParams
-from scheduler_proc import speculate
+from scheduler_proc import spec_pace, speculate
 from scheduler_proc.kv_cache import token_slots
 from scheduler_proc.ngram import NgramIndex
 from scheduler_proc.scheduler import Scheduler
@@ -41,11 +41,23 @@ def test_a_proposal_is_what_followed_the_latest_earlier_occurrence():
     # NOTE: the 3-gram (1, 2, 3) occurred once before, at 0: what followed it
     assert index.propose(3) == [4, 5, 9]
     index.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3], [8, 2, 3])
-    # NOTE: (8, 2, 3) never occurred: the 2-gram (2, 3), latest at 10, followed by 8
-    assert index.propose(4) == [8, 2, 3]
+    # NOTE: (8, 2, 3) never occurred: the 2-gram (2, 3), latest at 10, followed by 8, 2, 3
+    # and then, past the end, by what a repetition of those three would bring
+    assert index.propose(4) == [8, 2, 3, 8]
     index.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3], [8, 2, 3, 6])
     assert index.propose(4) == []  # NOTE: (3, 6) never occurred, and one token is too few
     assert index.propose(0) == []
+
+
+def test_a_loop_proposes_k_tokens_of_its_repetition():
+    """A model caught in a loop of p tokens (a random model soon is; a real one writing a table
+    or a list nearly is) gets k tokens proposed, not the p up to the end: on a GPU a proposal of
+    one token a step cost more than it gained (the step loses the overlap loop's chain)."""
+    index = NgramIndex(3)
+    index.extend([5, 6], [7, 7, 7, 7])
+    assert index.propose(8) == [7] * 8
+    index.extend([5, 6], [7, 7, 7, 7, 1, 2, 1, 2])
+    assert index.propose(5) == [1, 2, 1, 2, 1]
 
 
 @pytest.fixture
@@ -371,6 +383,55 @@ def test_a_row_that_accepts_nothing_stops_speculating(llama, monkeypatch):
     rows = stats["spec_rows_verified"]
     assert speculate.MISSES_OFF <= rows < 20, rows
     assert stats["steps_chained"] > 0
+
+
+def test_a_row_that_gains_less_than_its_step_costs_stops_speculating(llama, monkeypatch):
+    """Each proposal right in its first token only: a step emits two tokens. Where a speculating
+    step costs three plain ones (a GPU, whose chain it breaks) the row stops speculating after
+    `MISSES_OFF` steps; where it costs one it goes on. Both paces are measured as it runs (plain
+    steps are taken to measure theirs), and the stream is mlx-lm's either way."""
+    prompt = random_prompt(random.Random(4), 30)
+    ref = reference_greedy(llama, prompt, 100)
+
+    def propose(self: NgramIndex, k: int) -> list[int]:
+        done = len(self.tokens) - len(prompt)
+        return ref[done : done + 1] + [(ref[done + 1] + 1) % 1000] if done + 1 < len(ref) else []
+
+    monkeypatch.setattr(NgramIndex, "propose", propose)
+    verified = {}
+    for cost in (1.0, 3.0):
+        monkeypatch.setattr(spec_pace.Pace, "break_even", lambda self, c=cost: c)
+        sched = _spec(llama, page_size=4)
+        outs = drive(sched, {0: [("r", prompt, greedy(100))]})
+        assert tokens(outs["r"]) == ref, cost
+        stats = sched.stats()
+        verified[cost] = stats["spec_rows_verified"]
+        assert stats["spec_step_ms"] > 0 and stats["spec_plain_step_ms"] > 0, stats
+    assert verified[3.0] < 15 < 30 < verified[1.0], verified
+
+
+def test_the_paces_of_speculating_and_plain_steps_set_the_break_even():
+    """A speculating step of 30 ms against chained plain ones of 10 ms: a row must emit more
+    than 3 tokens a step. Plain steps are taken when none were measured for a while; a fresh
+    plain step (the first after a speculating one) is not a chained one's pace."""
+    pace = spec_pace.Pace()
+    assert pace.break_even() == 1.0
+    for _ in range(spec_pace.PROBE_FIRST - 1):
+        pace.stepped(0.03, speculated=True, chained=False)
+    assert not pace.probing
+    pace.stepped(0.03, speculated=True, chained=False)
+    assert pace.probing
+    pace.stepped(0.02, speculated=False, chained=False)
+    assert pace.plain_s is None and pace.break_even() == 1.0
+    for _ in range(spec_pace.PROBE_STEPS - 1):
+        pace.stepped(0.01, speculated=False, chained=True)
+    assert not pace.probing
+    assert pace.break_even() == pytest.approx(3.0)
+    for _ in range(spec_pace.PROBE_EVERY - 1):
+        pace.stepped(None, speculated=True, chained=False)
+    assert not pace.probing
+    pace.stepped(None, speculated=True, chained=False)
+    assert pace.probing
 
 
 @pytest.fixture(scope="module")
