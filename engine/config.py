@@ -122,8 +122,9 @@ class EngineConfig:
     prefill_in_chain: str = _opt(
         "auto",
         "Prompt chunks ride chained decode steps (a prefill step queued beside each, so the "
-        "overlap loop keeps chaining while prompts prefill): auto (on CUDA, where the host sets "
-        "a decode step's pace), on, off (decode and prefill steps take turns, unchained)",
+        "overlap loop keeps chaining while prompts prefill, and waiting requests are seated "
+        "while a step is in flight): auto (off: on a GPU, 128 agents ran 1.2x faster without), "
+        "on, off (decode and prefill steps take turns, unchained)",
     )
     reasoning_parser: str = _opt(
         "auto",

@@ -77,10 +77,12 @@ def step_defaults(
         budget=budget,
         beside_decode=config.long_prefill_scores or beside,
         scores_held=not fused,
-        # NOTE: where the host sets a decode step's pace (CUDA), a prefill step queued beside
-        # each chained one fills the device's idle time; where the device sets it (Metal, the
-        # CPU) the chain gains nothing, and a prefill step hands the KV buffers to async_eval,
-        # which MLX's CPU backend then holds while the next step would write them.
-        prefill_in_chain=config.prefill_in_chain == "on"
-        or (config.prefill_in_chain == "auto" and backend == "cuda"),
+        # NOTE: off unless asked for. Where the device sets the pace (Metal, the CPU) the chain
+        # gains nothing, and a prefill step hands the KV buffers to async_eval, which MLX's CPU
+        # backend then holds while the next step would write them. On CUDA it was the default
+        # until seating in flight came with it: 128 agents on an H200 then ran 6.5k tok/s
+        # warm (first token p50 0.58 s) and 3.5k cold against 7.8k (0.24 s) and 3.9k without
+        # (docs/benchmarks.md, session 47): seats in flight trickle a few prompts into each
+        # chained step, where a break seats them all and prefills them in full-size steps.
+        prefill_in_chain=config.prefill_in_chain == "on",
     )

@@ -76,7 +76,13 @@ class KVManager:
             req.snap_at = self._snap_point(req, hit.length)
         total = self.pool.pages_for(req.fill_len)
         shared = sum(isinstance(b, int) for b in blocks)
-        if not self.room(total - shared + reserve, grow=not in_flight):
+        # NOTE: in flight the pool cannot grow, and while it could, the seat waits for the break
+        # that grows it rather than evict: seats in flight evicted 25k cached tokens of other
+        # agents' conversations (64 agents, 4 turns, a pool that had not grown yet), whose next
+        # turns then recomputed them (44 % more prompt tokens).
+        growable = self.pool.pages < self.pool.capacity
+        evict = not (in_flight and growable)
+        if not self.room(total - shared + reserve, grow=not in_flight, evict=evict):
             if hit is not None and self.prefix is not None:
                 self.prefix.unhit(hit)
             return False
@@ -192,13 +198,15 @@ class KVManager:
             self.snapshots.clear()
         return self.prefix.flush() if self.prefix is not None else 0
 
-    def room(self, n: int, grow: bool = True) -> bool:
+    def room(self, n: int, grow: bool = True, evict: bool = True) -> bool:
         """Whether `n` pages are free: the pool grows first (doubling, up to its capacity;
-        `grow`), then cached spans nobody runs on are evicted; nothing is evicted when even
-        that could not free enough."""
+        `grow`), then cached spans nobody runs on are evicted (`evict`); nothing is evicted
+        when even that could not free enough."""
         short = n - self.pages.available
         if short <= 0:
             return True
+        if not evict and not grow:
+            return False
         if not self.could_free(n, grow):
             return False
         pool = self.pool
@@ -206,7 +214,7 @@ class KVManager:
             self.pages.add(pool.grow(max(pool.pages + short, 2 * pool.pages)))
         if self.pages.available >= n:
             return True
-        if self.prefix is None:
+        if self.prefix is None or not evict:
             return False
         self.prefix.evict(n)
         return self.pages.available >= n

@@ -210,13 +210,7 @@ class Runner:
         assert not batch.sampler.any_penalty, "penalties need the host's counts"
         host = [r.fill_ids[-1] for r in batch.joined] + [0] * (n - len(rows))
         at = {id(r): i for i, r in enumerate(prev.rows)}
-        index = [at[id(r)] for r in batch.decode]
-        tokens = prev.decode_out.tokens
-        # NOTE: a gather only where rows that finished at `prev` left the step
-        ahead = (
-            tokens[: len(index)] if index == list(range(len(index))) else tokens[mx.array(index)]
-        )
-        return mx.concatenate([ahead, mx.array(host, dtype=mx.int32)])
+        return _picked(prev.decode_out.tokens, [at[id(r)] for r in batch.decode], host)
 
     def decode_inputs(self, batch: Batch) -> mx.array:
         """Each row's input token: its last output, or a joined request's last fill token."""
@@ -406,7 +400,12 @@ class Runner:
         # first constrained request (1.4 s on this CPU the first time a machine builds it).
         everything = np.full((1, (self.vocab + 31) // 32), -1, dtype=np.int32)
         state = build_state([_PAD_ROW], self.vocab, everything)
-        mx.eval(sample(logits[:, -1, :], state).tokens, self.pool.state())
+        tokens = sample(logits[:, -1, :], state).tokens
+        # NOTE: and the pick of the rows that go on after others left a chained step (a gather):
+        # on a fresh H200 the step after the first row left took 3.0-3.8 s in each of three runs
+        # (the host blocked launching it; no forward shape was new), as kernels built on first
+        # use do.
+        mx.eval(_picked(tokens, [0, 0], [0]), self.pool.state())
 
     def _warm_shapes(self, budget_tokens: int, minimal: bool, scores_limit: int | None):
         lad = self.ladders
@@ -536,3 +535,11 @@ def _outputs(batch: Batch) -> list[mx.array]:
     if (ahead := batch.spec_out) is not None:
         out += [ahead.tokens, ahead.logprob, ahead.top_ids, ahead.top_logprobs]
     return [a for a in out if a is not None]
+
+
+def _picked(tokens: mx.array, index: list[int], host: list[int]) -> mx.array:
+    """The lazy `tokens` of the rows at `index` (a gather only where some row left), then the
+    `host` tokens."""
+    identity = index == list(range(len(index)))
+    ahead = tokens[: len(index)] if identity else tokens[mx.array(index, dtype=mx.int32)]
+    return mx.concatenate([ahead, mx.array(host, dtype=mx.int32)])

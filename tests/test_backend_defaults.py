@@ -67,6 +67,10 @@ def test_defaults_by_backend_and_options_first():
     assert (cuda.chunk, cuda.budget) == (2048, 8192) and (cpu.chunk, cpu.budget) == (512, 512)
     assert cpu.scores_held and cuda.scores_held and not metal.scores_held
     assert metal.beside_decode is None and cpu.beside_decode is None
+    # NOTE: prompts off the chain everywhere unless asked for (on a GPU they lost 1.2x on agents)
+    assert not (cuda.prefill_in_chain or metal.prefill_in_chain or cpu.prefill_in_chain)
+    on = step_defaults(EngineConfig(prefill_in_chain="on"), "cuda", LLAMA_1B)
+    assert on.prefill_in_chain
     set_ = step_defaults(
         EngineConfig(chunked_prefill_size=1024, max_prefill_tokens=4096, long_prefill_scores=7),
         "metal",

@@ -564,7 +564,7 @@ def test_a_skewed_decode_step_gathers_at_most_twice_the_kv_it_holds(llama):
 
 @pytest.mark.parametrize("lone", [None, 16], ids=["chunks", "lone-chunks"])
 def test_prompts_prefill_beside_chained_decode_steps(llama, lone):
-    """`--prefill-in-chain on` (CUDA's default): while prompts prefill, the decode rows keep
+    """`--prefill-in-chain on` (opt-in): while prompts prefill, the decode rows keep
     chaining and each chained step has a prefill step queued beside it. Every token is mlx-lm's
     (a chunk written beside a decode reads and writes only its own row), the chain goes on
     through the prompts' chunks, and a prompt whose last chunk ran beside the chain joins the
@@ -595,7 +595,7 @@ def test_prompts_prefill_beside_chained_decode_steps(llama, lone):
 
 
 def test_off_the_chain_prefill_and_decode_steps_take_turns(llama):
-    """`--prefill-in-chain off` (Metal's and the CPU's default): no prefill step is chained."""
+    """`--prefill-in-chain off` (the default): no prefill step is chained."""
     rng = random.Random(21)
     short = [(f"s{i}", random_prompt(rng, 10 + i), 24, 0) for i in range(2)]
     long = [(f"l{i}", random_prompt(rng, 120), 4, 4) for i in range(2)]
@@ -713,3 +713,35 @@ def test_agents_replies_are_mlx_lms_off_the_chain(llama):
             llama, page_size=8, chunked_prefill_size=16, disable_overlap=not overlap
         )
         _agents(sched, llama, agents=5, turns=3)
+
+
+def test_a_seat_in_flight_waits_for_the_pool_to_grow_rather_than_evict(llama, monkeypatch):
+    """With prompts in the chain, a request seated while a step is in flight may take only free
+    pages (the pool grows at a break). Where the pool could still grow, the seat waits for that
+    break rather than evict what the prefix cache holds: seats in flight had evicted other
+    agents' conversations (64 agents on the CPU: 25k cached tokens), whose next turns then
+    computed them again."""
+    from scheduler_proc import kv_budget
+
+    monkeypatch.setattr(kv_budget, "INITIAL_TOKENS", 16 * 8)  # NOTE: 16 pages of 8 at start
+    rng = random.Random(31)
+    sched = make_scheduler(llama, page_size=8, chunked_prefill_size=16, prefill_in_chain="on")
+    start = sched.kv.pool.pages
+    cached = random_prompt(rng, 70)
+    drive(sched, {0: [("cached", cached, greedy(2))]})  # NOTE: its 9 pages stay in the cache
+    sched.submit("decoding", random_prompt(rng, 10), greedy(60))
+    while not sched.running.decoding():
+        sched.step()
+    sched.step()  # NOTE: now a chained step is in flight whenever the next request arrives
+    sched.submit("new", random_prompt(rng, 60), greedy(4))
+    outs: dict = {}
+    while sched.has_work():
+        for o in sched.step():
+            outs.setdefault(o.rid, []).append(o)
+    assert outs["new"][-1].finish_reason == "length"
+    stats = sched.stats()
+    assert stats["prefix_cache_evicted_tokens"] == 0, stats
+    assert sched.kv.pool.pages > start
+    again = drive(sched, {0: [("again", cached + random_prompt(rng, 5), greedy(1))]})
+    assert again["again"][-1].cached_tokens >= 64
+    assert_pages_balanced(sched)
