@@ -316,6 +316,42 @@ def test_longcat_writes_a_call_without_parameters_as_json(build):
     _check(build, "longcat", good, bad, tools=tools)
 
 
+def test_function_gemma_values_are_what_its_parser_reads_back(build):
+    """FunctionGemma's parser cuts the arguments at the first `}`, a string at the next
+    `<escape>` and any other value at the next `,`: a string is escaped text without `}` (a `,`,
+    `:` or `{` in it is fine), other values JSON scalars; an optional array or object parameter
+    is left out of the call (it cannot be written), and a tool with a required one takes the
+    generic form."""
+
+    def call(name: str, args: str) -> str:
+        return f"<start_function_call>call:{name}{{{args}}}<end_function_call>"
+
+    good = [
+        call("get_weather", "city:<escape>Oslo, N: {x<escape>,days:3"),
+        call("get_weather", "city:<escape><escape>,days:14,units:<escape>celsius<escape>"),
+        call("get_weather", "city:<escape>a<escape>,days:1,detailed:false"),
+        call("place_order", "item:<escape>tea<escape>,quantity:2.5"),
+        call("now", ""),
+    ]
+    bad = [
+        call("get_weather", "city:<escape>a}b<escape>,days:3"),
+        call("get_weather", "city:Oslo,days:3"),  # NOTE: a string is escaped
+        call("get_weather", "city:<escape>a<escape>,days:<escape>3<escape>"),
+        call("get_weather", "days:3,city:<escape>a<escape>"),  # NOTE: out of their order
+        call("place_order", "item:<escape>tea<escape>,quantity:1,tags:[]"),
+    ]
+    _check(build, "function_gemma", good, bad)
+    # NOTE: FunctionGemma's own `<escape>` is an added token: a string closes with it alone
+    esc = SPLIT + "<escape>" + SPLIT
+    good = [t.replace("<escape>", esc) for t in good]
+    bad = [t.replace("<escape>", esc) for t in bad]
+    bad.append(call("get_weather", f"city:{esc}a<escape>b{esc},days:3"))
+    _check(build, "function_gemma_escape", good, bad)
+    tok = _tok(build("function_gemma"))
+    required = [_tool("tag", {"tags": {"type": "array"}}, required=["tags"])]
+    assert tool_choice.generic_form(tf.request(tools=required), tok)
+
+
 def test_minimax_m2_values_by_the_types_the_parser_reads(build):
     """A string (or an untyped parameter) is raw text the parser reads back whole: no closing
     tag, `</invoke>` or end marker inside, no whitespace at either end, not "null" in any case;

@@ -49,11 +49,17 @@ def _template(how: str, call: str) -> str:
 class Format:
     markers: tuple[str, str]  # NOTE: what <issue_start> and <issue_comment> are renamed to
     template: str
+    # NOTE: other unused added tokens renamed to a format's tags (added tokens, as the model's own)
+    tags: tuple[tuple[str, str], ...] = ()
 
 
 _QWEN_CALL = (
     f"<tool_call>\n<function={_NAME}>\n{{% for k, v in tool_call.function.arguments | items %}}"
     "<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}</function>\n</tool_call>"
+)
+_FUNCTION_GEMMA = _template(
+    "Call as <start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>",
+    f"<start_function_call>call:{_NAME}{{}}<end_function_call>",
 )
 FORMATS: dict[str, Format] = {
     "json_tools": Format(
@@ -125,6 +131,16 @@ FORMATS: dict[str, Format] = {
             f"<longcat_tool_call>{_NAME}</longcat_tool_call>",
         ),
     ),
+    "function_gemma": Format(
+        ("<start_function_call>", "<end_function_call>"),
+        _FUNCTION_GEMMA,
+    ),
+    # NOTE: FunctionGemma's tokenizer has `<escape>` as an added token: strings close with it
+    "function_gemma_escape": Format(
+        ("<start_function_call>", "<end_function_call>"),
+        _FUNCTION_GEMMA,
+        (("<issue_closed>", "<escape>"),),
+    ),
 }
 # NOTE: the default model's own template, which has no tool calling: the generic form
 GENERIC = "generic"
@@ -138,6 +154,8 @@ NATIVE = (
     "kimi_k2",
     "minimax_m2",
     "longcat",
+    "function_gemma",
+    "function_gemma_escape",
 )
 
 
@@ -157,7 +175,7 @@ def make_format_model(
     if fmt != GENERIC:
         spec = FORMATS[fmt]
         start, end = spec.markers
-        names = {"<issue_start>": start, "<issue_comment>": end}
+        names = {"<issue_start>": start, "<issue_comment>": end, **dict(spec.tags)}
         _rename_tokens(out, {k: v for k, v in names.items() if k != v}, spec.template)
     return out
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenizer_proc.tool_grammars import (
+    function_gemma,
     glm47,
     json_tools,
     kimi_k2,
@@ -35,6 +36,7 @@ BUILDERS: dict[str, Builder] = {
     "kimi_k2": kimi_k2.grammar,
     "minimax_m2": minimax_m2.grammar,
     "longcat": longcat.grammar,
+    "function_gemma": function_gemma.grammar,
 }
 
 
