@@ -382,6 +382,37 @@ def test_minimax_m2_values_by_the_types_the_parser_reads(build):
     _check(build, "minimax_m2", good, bad, tools=[tool])
 
 
+def test_minicpm5_values_as_minimax_m2s_in_its_own_blocks(build):
+    """MiniCPM5's parser converts values as minimax_m2's does, each up to `</param>`, and
+    unwraps a value that is a whole CDATA block: a string holds no `</param>`, `</function>` or
+    CDATA opening, no whitespace at either end, not "null"; parallel calls are consecutive
+    blocks, each with its own markers."""
+    tool = _tool(
+        "f",
+        {"s": {"type": "string"}, "n": {"type": "integer"}, "b": {"type": "boolean"}},
+        required=["s", "n"],
+    )
+
+    def call(s: str, n: str = "3", b: str | None = None) -> str:
+        args = [("s", s), ("n", n)] + ([("b", b)] if b is not None else [])
+        body = "".join(f'<param name="{k}">{v}</param>\n' for k, v in args)
+        return f'<function name="f">\n{body}</function>'
+
+    good = [call("a <b> & c\nd"), call("", n="-12", b="false"), call("nullish")]
+    bad = [
+        call(" a"),  # NOTE: leading whitespace, which the parser strips
+        call("NULL"),  # NOTE: the parser's None
+        call("a</param>b"),
+        call("a</function>b"),
+        call("<![CDATA[a]]>"),  # NOTE: the parser would unwrap it
+        call("a", n="3.5"),
+        call("a", b="yes"),
+        call("a", n="1") + call("a", n="2"),  # NOTE: two calls without parallel_tool_calls
+    ]
+    _check(build, "minicpm5", good, bad, tools=[tool])
+    _check(build, "minicpm5", [call("a", n="1") + call("b", n="2")], [], True, tools=[tool])
+
+
 def test_mistral_headers_and_arrays(build):
     _check(
         build,

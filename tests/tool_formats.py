@@ -135,6 +135,14 @@ FORMATS: dict[str, Format] = {
         ("<start_function_call>", "<end_function_call>"),
         _FUNCTION_GEMMA,
     ),
+    # NOTE: markers of ordinary text (no token renamed): `<function name=` opens a call
+    "minicpm5": Format(
+        ("<issue_start>", "<issue_comment>"),
+        _template(
+            'Call as <function name="NAME">\n<param name="K">V</param>\n</function>',
+            f'<function name="{_NAME}">\n</function>',
+        ),
+    ),
     # NOTE: FunctionGemma's tokenizer has `<escape>` as an added token: strings close with it
     "function_gemma_escape": Format(
         ("<start_function_call>", "<end_function_call>"),
@@ -156,6 +164,7 @@ NATIVE = (
     "longcat",
     "function_gemma",
     "function_gemma_escape",
+    "minicpm5",
 )
 
 

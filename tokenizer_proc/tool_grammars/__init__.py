@@ -18,6 +18,7 @@ from tokenizer_proc.tool_grammars import (
     json_tools,
     kimi_k2,
     longcat,
+    minicpm5,
     minimax_m2,
     mistral,
     pythonic,
@@ -37,6 +38,7 @@ BUILDERS: dict[str, Builder] = {
     "minimax_m2": minimax_m2.grammar,
     "longcat": longcat.grammar,
     "function_gemma": function_gemma.grammar,
+    "minicpm5": minicpm5.grammar,
 }
 
 
