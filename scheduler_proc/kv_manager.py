@@ -205,8 +205,6 @@ class KVManager:
         short = n - self.pages.available
         if short <= 0:
             return True
-        if not evict and not grow:
-            return False
         if not self.could_free(n, grow):
             return False
         pool = self.pool

@@ -2,8 +2,9 @@
 
 A speculating step breaks the overlap loop's chain (its next input is known only once its
 proposal is verified) and runs every proposal position through the prompt path, so it costs more
-wall time than a chained decode step: on a CPU, where the device sets the pace, ~1.2x; on a GPU,
-where the chain hides the host's work, ~3x (a 1B model, one row: 10.8 ms against 3.4 ms). A row
+wall time than a chained decode step: on a CPU, where the device sets the pace, 1.75x (the
+default model, 153 against 87 ms); on a GPU, where the chain hides the host's work, ~8x (a 1B
+model, one row: 19.3 against 2.5 ms; docs/benchmarks.md, session 47). A row
 gains only where a step emits more tokens than that ratio (`break_even`), so the ratio is
 measured, not assumed: the wall time between consecutive decode steps' tokens, with and without
 speculation, each a moving average.

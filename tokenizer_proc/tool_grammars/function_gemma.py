@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizer_proc.tool_grammars.lark import (
+    bare_text,
     free_text,
     json_value,
     literal,
     marker,
     optional_list,
-    regex_text,
     spelled,
 )
 from tokenizer_proc.tool_grammars.schemas import (
@@ -77,13 +77,9 @@ class Escape:
             # negation are lexemes' own), which ends at the first escape
             text = free_text(ESCAPE, never=never, shortest=shortest, longest=longest)
             return [f"{rule}: {literal(ESCAPE)} {name}", f"{name}: {text}"]
-        anything = "(?s:.*)"
-        parts = [f"/{anything}/"]
-        parts += [f"~/{anything}{regex_text(t)}{anything}/" for t in (ESCAPE, *never)]
-        if shortest or longest is not None:
-            parts.append(f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}})/")
         tag = f"<[{self.token}]>"
-        return [f"{rule}: {tag} {name} {tag}", f"{name}: {' & '.join(parts)}"]
+        text = bare_text((ESCAPE, *never), shortest, longest)
+        return [f"{rule}: {tag} {name} {tag}", f"{name}: {text}"]
 
 
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:

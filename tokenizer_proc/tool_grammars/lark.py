@@ -69,15 +69,32 @@ def free_text(
     NOTE: one lexeme, the closing tag included: a lexeme is matched as long as it can be, so
     text followed by a literal closing tag would run on past it; ending at the first closing
     tag it stops there. Intersection and negation (llguidance's `&` and `~`) are lexemes' own."""
-    anything, tag = "(?s:.*)", regex_text(close)
-    body = "(?s:(\\S(?s:.*\\S)?)?)" if trimmed else anything
-    parts = [f"/{body}{tag}/", f"~/{anything}{regex_text(cut or close)}(?s:.+)/"]
-    parts += [f"~/{anything}{regex_text(text)}{anything}/" for text in never]
+    tag = regex_text(close)
+    body = "(?s:(\\S(?s:.*\\S)?)?)" if trimmed else _ANYTHING
+    parts = [f"/{body}{tag}/", f"~/{_ANYTHING}{regex_text(cut or close)}(?s:.+)/", *_absent(never)]
     if not_null:
         parts.append(f"~/(?i:null){tag}/")
-    if shortest or longest is not None:
-        parts.append(f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}}){tag}/")
-    return " & ".join(parts)
+    return " & ".join([*parts, *_lengths(shortest, longest, tag)])
+
+
+def bare_text(never: tuple[str, ...] = (), shortest: int = 0, longest: int | None = None) -> str:
+    """Text with none of `never` inside, within `shortest`..`longest`, as one lexeme with no
+    closing tag: for a value closed by an added token, which is no text the lexeme could run
+    on into (`free_text` otherwise)."""
+    return " & ".join([f"/{_ANYTHING}/", *_absent(never), *_lengths(shortest, longest, "")])
+
+
+_ANYTHING = "(?s:.*)"
+
+
+def _absent(texts: tuple[str, ...]) -> list[str]:
+    return [f"~/{_ANYTHING}{regex_text(text)}{_ANYTHING}/" for text in texts]
+
+
+def _lengths(shortest: int, longest: int | None, tag: str) -> list[str]:
+    if not shortest and longest is None:
+        return []
+    return [f"/(?s:.{{{int(shortest)},{'' if longest is None else int(longest)}}}){tag}/"]
 
 
 def json_value(schema: dict[str, Any]) -> str:
