@@ -162,7 +162,10 @@ def test_a_reset_connection_ends_its_streams_and_the_client_recovers(engine, cli
 
 def test_a_client_recovers_when_a_paused_engine_comes_back(engine, client):
     tokenizer = engine.child_pids()["tokenizer"]
-    paused = EngineClient(engine.address, dead_after=1.0)
+    # NOTE: 3 s of silence, not 1: in a loaded 2-core CI run the front door was once starved
+    # for over a second before the first chunk, and the client called a running engine dead.
+    assert _in_flight_drops_to_zero(client, 30), "an earlier test's request was still running"
+    paused = EngineClient(engine.address, dead_after=3.0)
     stream = paused.stream(input_ids=[9, 9], timeout=60, **LONG)
     next(stream)
     os.kill(tokenizer, signal.SIGSTOP)
