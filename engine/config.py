@@ -92,6 +92,15 @@ class EngineConfig:
     max_queued_requests: int = _opt(1024, "Requests waiting beyond this get Overloaded")
     disable_overlap: bool = _opt(False, "Run the synchronous loop instead of the overlap loop")
     disable_radix_cache: bool = _opt(False, "Turn off the radix prefix cache (reuse of shared KV)")
+    kv_cache_dir: str | None = _opt(
+        None,
+        "A folder for the prefix cache's disk tier: finished requests' KV is written there in "
+        "blocks of 256 tokens (in the background), and a prompt whose prefix is there loads it "
+        "instead of computing it, after a restart too; off by default",
+    )
+    kv_cache_disk_gb: float = _opt(
+        16.0, "Most gigabytes --kv-cache-dir holds; least recently used blocks go first"
+    )
     kv_events_endpoint: str | None = _opt(
         None,
         "Publish the prefix cache's KV events (vLLM's ZMQ format: BlockStored, BlockRemoved, "
@@ -314,9 +323,32 @@ class EngineConfig:
             if self.tp > 1 or self.tp_hostfile:
                 raise ValueError("--adapter-path with tensor parallel is not supported yet")
         self._check_kv_events()
+        self._check_kv_cache_dir()
         if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self
+
+    def _check_kv_cache_dir(self) -> None:
+        if self.kv_cache_disk_gb <= 0:
+            raise ValueError(f"kv_cache_disk_gb must be > 0, got {self.kv_cache_disk_gb}")
+        if not self.kv_cache_dir:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--kv-cache-dir is the radix cache's disk tier: not with it off")
+        if self.tp > 1 or self.tp_hostfile:
+            raise ValueError("--kv-cache-dir with tensor parallel is not supported yet")
+        if self.spec == "draft":
+            raise ValueError("--kv-cache-dir with --spec draft is not supported yet")
+        import os
+        from pathlib import Path
+
+        folder = Path(self.kv_cache_dir).expanduser()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_cache_dir: cannot make {folder}: {e.strerror}") from None
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(f"kv_cache_dir: {folder} is not writable by this user")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_format not in ("array", "map"):

@@ -205,7 +205,9 @@ class Admin:
             waited = time.monotonic() - t0
             sched.quiesce()
             info = self._apply(op)
-            info["flushed_tokens"] = sched.kv.flush()
+            sched.model_changed()
+            # NOTE: the disk tier keeps its files: they are keyed by the model they hold
+            info["flushed_tokens"] = sched.kv.flush(disk=False)
             info["waited_s"] = round(waited, 3)
             return info
         finally:

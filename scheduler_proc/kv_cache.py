@@ -682,17 +682,28 @@ class KVPool:
         prefix's partly filled page, before the new request writes after it)."""
         if not src:
             return
-        s, d = mx.array(src, dtype=mx.int32), slot_index(dst)
-        full = [i for i, ring in enumerate(self.rings) if ring is None]
         # NOTE: the reads evaluated first, on their own: a write whose graph still reads the
         # buffer cannot reuse it, and copied the whole pool (H200, a 65 GiB pool: every prefix
         # hit with a partly filled page stalled the next step 2.7-4.9 s).
-        keys = [self.keys[i][:, s] for i in full]
-        values = [self.values[i][:, s] for i in full]
-        mx.eval(keys, values)
-        for i, k, v in zip(full, keys, values, strict=True):
-            write_slots(self.keys[i], d, k)
-            write_slots(self.values[i], d, v)
+        self.write_tokens(dst, self.read_tokens(src))
+
+    def read_tokens(self, slots: list[int]) -> list[mx.array]:
+        """K then V of each full layer at token slots `slots` (`(kv_heads, n, dim)` each),
+        evaluated: nothing pending reads the pool after it (see `copy_tokens`)."""
+        s = mx.array(slots, dtype=mx.int32)
+        full = [i for i, ring in enumerate(self.rings) if ring is None]
+        out = [a for i in full for a in (self.keys[i][:, s], self.values[i][:, s])]
+        mx.eval(out)
+        return out
+
+    def write_tokens(self, slots: list[int], arrays: list[mx.array]) -> None:
+        """Write `read_tokens`' layout (K then V of each full layer) at token slots `slots`."""
+        d = slot_index(slots)
+        full = [i for i, ring in enumerate(self.rings) if ring is None]
+        assert len(arrays) == 2 * len(full), "K and V of every full layer"
+        for j, i in enumerate(full):
+            write_slots(self.keys[i], d, arrays[2 * j])
+            write_slots(self.values[i], d, arrays[2 * j + 1])
         mx.eval(self.keys, self.values)
 
     def state(self) -> list[mx.array]:

@@ -13,16 +13,21 @@ requests can grow; when decode still runs out, the scheduler preempts the newest
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import numpy as np
 
+from scheduler_proc.disk_cache import DiskCache
+from scheduler_proc.disk_tier import DiskTier
 from scheduler_proc.kv_cache import KVPool, token_slots
 from scheduler_proc.kv_event_log import KVEventLog
 from scheduler_proc.pages import PageAllocator
 from scheduler_proc.prefix_cache import PrefixCache
 from scheduler_proc.request import Req
 from scheduler_proc.snapshots import SlotSnapshots
+
+log = logging.getLogger(__name__)
 
 
 class KVManager:
@@ -38,9 +43,15 @@ class KVManager:
         slotted = any(r is not None for r in pool.rings) or bool(pool.states)
         self.snapshots = SlotSnapshots(pool, snapshots) if prefix and slotted else None
         self.events: KVEventLog | None = None  # NOTE: --kv-events-endpoint (kv_publisher.py)
+        self.disk: DiskTier | None = None  # NOTE: --kv-cache-dir (`attach_disk`)
         # NOTE: token copies (src, dst) held until a seating pass ends (`one_pass`); None: none
         # is running, a seat writes its own at once.
         self._copies: tuple[list[int], list[int]] | None = None
+
+    def attach_disk(self, cache: DiskCache) -> None:
+        """The prefix cache's disk tier (`--kv-cache-dir`): models whose KV is pages alone."""
+        assert self.prefix is not None and self.snapshots is None, "full attention, cached"
+        self.disk = DiskTier(cache, self.pool, self.prefix, self.pages, self.room)
 
     @contextlib.contextmanager
     def one_pass(self) -> Iterator[None]:
@@ -176,9 +187,12 @@ class KVManager:
             raise RuntimeError(f"KV pages: {req.rid} released twice (or never admitted)")
         if self.prefix is not None:
             keep = req.finish_reason != "error" and req.kv_len > 0
+            tokens = (req.input_ids + req.output_ids)[: req.kv_len]
             if keep:
-                self._snapshot(req, (req.input_ids + req.output_ids)[: req.kv_len])
+                self._snapshot(req, tokens)
             self.prefix.retire(req, self.slots(req, req.kv_len) if keep else None)
+            if keep and self.disk is not None:
+                self.disk.retired(tokens)
         self.pages.release(req.pages)
         req.pages = []
 
@@ -191,11 +205,15 @@ class KVManager:
         if self.snapshots is not None and req.slot is not None:
             self.snapshots.take(req.slot, tokens)
 
-    def flush(self) -> int:
-        """The prefix cache emptied of what no running request holds, snapshots with it;
-        returns the tokens dropped."""
+    def flush(self, disk: bool = True) -> int:
+        """The prefix cache emptied of what no running request holds, snapshots with it, and
+        the disk tier's files of this model (`disk`); returns the tokens dropped (memory)."""
         if self.snapshots is not None:
             self.snapshots.clear()
+        if self.disk is not None:
+            self.disk.drop_queued()
+            if disk:
+                log.info("KV disk cache: %d files removed", self.disk.cache.clear())
         return self.prefix.flush() if self.prefix is not None else 0
 
     def room(self, n: int, grow: bool = True, evict: bool = True) -> bool:
@@ -251,6 +269,8 @@ class KVManager:
             out |= self.prefix.stats()
         if self.snapshots is not None:
             out |= {"prefix_cache_snapshots": len(self.snapshots)}
+        if self.disk is not None:
+            out |= self.disk.stats()
         if self.events is not None:
             out |= {
                 "kv_events_batches": self.events.seq + 1,

@@ -59,6 +59,8 @@ class Req:
     force_next: int | None = None
     spec: Any = None  # its speculation state (`speculate.RowSpec`), once it speculated
     draft: Any = None  # where its draft model's KV is valid (`draft.DraftRow`), --spec draft
+    disk: Any = None  # its prompt's blocks loading from disk (`disk_tier.DiskLoad`)
+    disk_checked: bool = False  # the disk was asked for its prompt's blocks (since its seating)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -85,6 +87,7 @@ class Req:
         self.state, self.slot, self.pages = State.WAITING, None, []
         self.prefilled = self.kv_len = 0
         self.preemptions += 1
+        self.disk_checked = False
 
     @property
     def finished(self) -> bool:

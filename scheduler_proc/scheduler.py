@@ -30,12 +30,15 @@ from engine.prompt_check import check_prompt
 from engine.sampling_params import SamplingParams
 from scheduler_proc import backend, decode_attention, memory_limits
 from scheduler_proc.batch import Batch, PromptSlice
+from scheduler_proc.disk_cache import DiskCache
+from scheduler_proc.disk_tier import block_format
 from scheduler_proc.draft import Draft, draft_layout
 from scheduler_proc.grammar import Grammars
 from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
 from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.model_identity import fingerprint
 from scheduler_proc.prefill_plan import PrefillPlanner, body_left, due
 from scheduler_proc.request import Req, State
 from scheduler_proc.runner import Runner
@@ -51,6 +54,9 @@ log = logging.getLogger(__name__)
 
 # NOTE: a first-seen shape costs ~50-100 ms on a GPU; beyond this the rest compile when first seen.
 WARM_UP_DEADLINE_S = 120.0
+# NOTE: the disk tier's unit (rounded up to whole pages): a file of 256 tokens is 6 MiB of the
+# default model's KV, 8 MiB of a Llama-3.2-1B's; a prompt's last partial block is recomputed.
+DISK_BLOCK_TOKENS = 256
 
 COUNTERS = (
     "steps_launched",  # fresh + chained, counted by prepare_launch only
@@ -133,6 +139,8 @@ class Scheduler:
         align = self.runner.long_chunk if self.runner.lone_rows > 1 else None
         self.kv = KVManager(self.pool, prefix, snapshots=plan.slots, align=align)
         self.prefix = self.kv.prefix  # NOTE: None when the cache is off
+        if config.kv_cache_dir:
+            self._attach_disk(config, model, layout)
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
             self.chunk_size,
@@ -190,6 +198,30 @@ class Scheduler:
         self.warm_up_s = self._warm_up(WARM_UP_DEADLINE_S if kv_agree is None else math.inf)
         peak = mx.get_peak_memory() - held
         self.limits = memory_limits.apply(plan, weights, peak)
+
+    def _attach_disk(self, config: EngineConfig, model: nn.Module, layout: Layout) -> None:
+        """`--kv-cache-dir`: the prefix cache's disk tier, for models whose KV is pages alone
+        (a window ring or a recurrent state would need its snapshot on disk too)."""
+        if layout.states or any(s.window is not None for s in layout.kv):
+            log.warning(
+                "--kv-cache-dir: off for this model: its KV is not full attention alone (window "
+                "rings or recurrent state), which the disk tier does not hold yet"
+            )
+            return
+        block = -(-DISK_BLOCK_TOKENS // self.pool.page_size) * self.pool.page_size
+        fmt = block_format(self.pool, block)
+        capacity = int(config.kv_cache_disk_gb * 2**30)
+        folder = Path(config.kv_cache_dir or "").expanduser()
+        cache = DiskCache(folder, capacity, fmt, fingerprint(model))
+        self.kv.attach_disk(cache)
+
+    def model_changed(self) -> None:
+        """The weights or adapter changed (admin.py, no step in flight): blocks queued for the
+        disk are the old model's, and keys follow the new one's identity."""
+        disk = self.kv.disk
+        if disk is not None:
+            disk.drop_queued()
+            disk.cache.set_identity(fingerprint(self.runner.model))
 
     # -- public interface --------------------------------------------------------------------
     def submit(
@@ -251,6 +283,7 @@ class Scheduler:
         if self._current or self._next or self.running.reqs:
             return
         building = [r.building for r in self._waiting if r.building is not None]
+        building += [r.disk.future for r in self._waiting if r.disk is not None]
         if building:
             futures.wait(building, timeout=0.005, return_when=futures.FIRST_COMPLETED)
 
@@ -382,6 +415,8 @@ class Scheduler:
             self.abort(rid)
         self._settle()
         mx.synchronize()
+        if self.kv.disk is not None:
+            self.kv.disk.cache.close()  # NOTE: what was handed to the writer is written
         self.limits.restore()
 
     def last_outputs(self) -> list[Chunk]:
@@ -763,6 +798,8 @@ class Scheduler:
         assert self._current is None and self._next is None
         self._seat_blocked = False
         self._apply_moves()
+        if self.kv.disk is not None:
+            self.kv.disk.flush()
 
     def _apply_moves(self) -> None:
         """Cache queued prompt bodies, snapshot, promote joined prompts, free finished rows."""

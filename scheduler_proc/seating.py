@@ -116,7 +116,7 @@ class Seating:
                 if self.running.free_slots == 0:
                     return self.waiting.peek(rows)
                 req = self.waiting.popleft(rows)
-                if self._defer(req, pending):
+                if self._defer(req, pending, in_flight):
                     if not req.finished:
                         deferred.append(req)
                     continue
@@ -132,10 +132,13 @@ class Seating:
             for req in reversed(deferred):
                 self.waiting.appendleft(req)
 
-    def _defer(self, req: Req, pending: PendingPrompts) -> bool:
-        """Whether `req` waits a step: its grammar is still building, or a running prompt is
-        about to cache the prefix it would share (`PrefixCache.should_wait`)."""
+    def _defer(self, req: Req, pending: PendingPrompts, in_flight: bool) -> bool:
+        """Whether `req` waits a step: its grammar is still building, its prompt's blocks load
+        from disk (`DiskTier.waits`), or a running prompt is about to cache the prefix it would
+        share (`PrefixCache.should_wait`)."""
         if req.building is not None and not self._matcher_ready(req):
+            return True
+        if self.kv.disk is not None and self.kv.disk.waits(req, in_flight):
             return True
         prefix = self.kv.prefix
         return (

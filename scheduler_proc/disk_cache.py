@@ -1,0 +1,281 @@
+"""The prefix cache's disk tier (`--kv-cache-dir`): blocks of KV kept in files across restarts.
+
+A block is `block` tokens (a whole number of pages) at a position that is a multiple of it. Its
+key chains every token before it: key(k) = BLAKE2b(key(k - 1) + tokens of block k), key(-1)
+being the model's identity and the KV format, so one key names one exact prefix of one model's
+KV. Files live in `DIR/<identity>/<key>.kv` (kv_files.py: atomic, checksummed), least recently
+used first out once the folder holds more than `--kv-cache-disk-gb` (every identity's files
+count: one budget for the folder).
+
+The scheduler's thread only looks up keys and hands work over; two threads of this module do
+the I/O: one writes (numpy arrays the scheduler gathered), one loads (a request's blocks, which
+it waits for out of the seating pass). A file that is missing, corrupt, foreign or half-written
+is skipped with a log line, and never read again: a load stops at the first block it cannot use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scheduler_proc import kv_files
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+# NOTE: a temporary file older than this is a writer's that died (kill -9); younger, it may be
+# another engine's on the same folder, still writing.
+STALE_TMP_S = 3600.0
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """What a block file of this engine holds: per full-attention layer K then V, each
+    `(kv_heads, block, dim)` of `dtype` (MLX's name)."""
+
+    block: int
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s)) * _itemsize(d) for d, s in self.arrays)
+
+    def describe(self) -> str:
+        return f"v1 block={self.block} " + ";".join(f"{d}{list(s)}" for d, s in self.arrays)
+
+
+class DiskCache:
+    def __init__(self, root: Path, capacity_bytes: int, fmt: BlockFormat, identity: str) -> None:
+        self.root, self.capacity, self.fmt = root, capacity_bytes, fmt
+        self.block = fmt.block
+        root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # NOTE: every block file under root, least recently used first: path -> bytes
+        self._lru: OrderedDict[Path, int] = OrderedDict()
+        self.bytes = 0
+        self._pending: set[bytes] = set()  # keys handed to the writer, not yet on disk
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-load")
+        self.written_bytes = self.read_bytes = self.hit_tokens = 0
+        self.evicted_files = self.skipped_files = self.dropped_blocks = 0
+        self._queued_bytes = 0
+        self.set_identity(identity)
+        self._scan()
+
+    def set_identity(self, identity: str) -> None:
+        """The model's identity (`model_identity.fingerprint`): keys and the folder follow it."""
+        self.identity = identity
+        seed = f"{identity}|{self.fmt.describe()}".encode()
+        self._root_key = hashlib.blake2b(seed, digest_size=16).digest()
+        self.folder = self.root / self._root_key.hex()
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    # -- keys ------------------------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int], n_blocks: int) -> list[bytes]:
+        """The chain keys of the first `n_blocks` blocks of `tokens`."""
+        out, key, b = [], self._root_key, self.block
+        for k in range(n_blocks):
+            chunk = np.asarray(tokens[k * b : (k + 1) * b], dtype="<i4").tobytes()
+            key = hashlib.blake2b(key + chunk, digest_size=16).digest()
+            out.append(key)
+        return out
+
+    def _path(self, key: bytes) -> Path:
+        return self.folder / (key.hex() + SUFFIX)
+
+    def has(self, key: bytes) -> bool:
+        return self._path(key) in self._lru
+
+    def present(self, keys: list[bytes], first: int) -> int:
+        """How many blocks from `first` on have a file (by the index, not read)."""
+        n = first
+        with self._lock:
+            while n < len(keys) and self._path(keys[n]) in self._lru:
+                n += 1
+        return n - first
+
+    def wanted(self, keys: list[bytes]) -> list[int]:
+        """The blocks neither on disk nor being written."""
+        with self._lock:
+            return [
+                k
+                for k, key in enumerate(keys)
+                if self._path(key) not in self._lru and key not in self._pending
+            ]
+
+    # -- writes ----------------------------------------------------------------------------------
+    def store(
+        self, tokens: Sequence[int], keys: list[bytes], blocks: dict[int, list[np.ndarray]]
+    ) -> None:
+        """Write `blocks` (block index -> its arrays, in `fmt` order) in the background;
+        dropped (counted) when the writer is behind by more than `max_queued_bytes`."""
+        for k, arrays in blocks.items():
+            key = keys[k]
+            with self._lock:
+                if key in self._pending or self._queued_bytes > self.max_queued_bytes:
+                    self.dropped_blocks += key not in self._pending
+                    continue
+                self._pending.add(key)
+                self._queued_bytes += self.fmt.nbytes
+            header = self._header(tokens, keys, k)
+            self._writer.submit(self._write, key, header, arrays)
+
+    max_queued_bytes = 512 << 20  # NOTE: what the writer may hold in memory, waiting for disk
+
+    def _header(self, tokens: Sequence[int], keys: list[bytes], k: int) -> dict:
+        b = self.block
+        parent = keys[k - 1] if k else self._root_key
+        return {
+            "identity": self.identity,
+            "format": self.fmt.describe(),
+            "key": keys[k].hex(),
+            "parent": parent.hex(),
+            "start": k * b,
+            "tokens": [int(t) for t in tokens[k * b : (k + 1) * b]],
+            "arrays": [[d, list(s)] for d, s in self.fmt.arrays],
+        }
+
+    def _write(self, key: bytes, header: dict, arrays: list[np.ndarray]) -> None:
+        path = self._path(key)
+        try:
+            size = kv_files.dump(path, header, arrays, [d for d, _ in self.fmt.arrays])
+        except Exception as e:  # NOTE: a full disk or a bad folder costs the block, not the engine
+            log.warning("KV disk cache: could not write %s: %s", path.name, e)
+            return
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+                self._queued_bytes -= self.fmt.nbytes
+        with self._lock:
+            self.written_bytes += size
+            self._add(path, size)
+        self._evict()
+
+    # -- loads -----------------------------------------------------------------------------------
+    def load(
+        self, tokens: Sequence[int], keys: list[bytes], first: int, n: int
+    ) -> Future[list[list[np.ndarray]]]:
+        """Read blocks `first .. first + n - 1` in the background: the arrays of those that are
+        whole and what was asked, in order, up to the first that is not."""
+        return self._loader.submit(self._load, list(tokens), keys, first, n)
+
+    def _load(
+        self, tokens: list[int], keys: list[bytes], first: int, n: int
+    ) -> list[list[np.ndarray]]:
+        out = []
+        for k in range(first, first + n):
+            path, header = self._path(keys[k]), self._header(tokens, keys, k)
+            try:
+                arrays = kv_files.load(path, header, self.fmt.nbytes + kv_files.MAX_HEADER)
+            except (OSError, kv_files.KVFileError) as e:
+                self._skip(path, e)
+                break
+            out.append(arrays)
+            with self._lock:
+                self.read_bytes += self.fmt.nbytes
+                if path in self._lru:
+                    self._lru.move_to_end(path)
+            _touch(path)  # NOTE: its age on disk orders the LRU after a restart
+        return out
+
+    def _skip(self, path: Path, e: Exception) -> None:
+        log.warning("KV disk cache: skipped %s: %s", path.name, e)
+        with self._lock:
+            self.skipped_files += 1
+            self._drop(path)
+        path.unlink(missing_ok=True)
+
+    # -- the folder ------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Index every block file under the root, oldest first; temporary files of writers
+        that died go."""
+        now, found = time.time(), []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                st = entry.stat(follow_symlinks=False)
+                if entry.name.endswith(kv_files.TMP_SUFFIX):
+                    if now - st.st_mtime > STALE_TMP_S:
+                        Path(entry.path).unlink(missing_ok=True)
+                elif entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+                    found.append((st.st_mtime, Path(entry.path), st.st_size))
+        with self._lock:
+            for _, path, size in sorted(found):
+                self._add(path, size)
+        self._evict()
+        log.info(
+            "KV disk cache %s: %d files, %.2f GiB of %.2f GiB",
+            self.root,
+            len(self._lru),
+            self.bytes / 2**30,
+            self.capacity / 2**30,
+        )
+
+    def _add(self, path: Path, size: int) -> None:
+        self._drop(path)
+        self._lru[path] = size
+        self.bytes += size
+
+    def _drop(self, path: Path) -> None:
+        self.bytes -= self._lru.pop(path, 0)
+
+    def _evict(self) -> None:
+        while True:
+            with self._lock:
+                if self.bytes <= self.capacity or not self._lru:
+                    return
+                path, size = self._lru.popitem(last=False)
+                self.bytes -= size
+                self.evicted_files += 1
+            path.unlink(missing_ok=True)
+
+    def clear(self) -> int:
+        """Every block file of this model and format gone (flush_cache); returns how many."""
+        with self._lock:
+            mine = [p for p in self._lru if p.parent == self.folder]
+            for p in mine:
+                self._drop(p)
+        for p in mine:
+            p.unlink(missing_ok=True)
+        return len(mine)
+
+    def close(self) -> None:
+        """Writes queued so far finish (a clean shutdown keeps them); loads are not waited for."""
+        self._loader.shutdown(wait=False, cancel_futures=True)
+        self._writer.shutdown(wait=True)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            files = len(self._lru)
+        return {
+            "kv_disk_files": files,
+            "kv_disk_bytes": self.bytes,
+            "kv_disk_hit_tokens": self.hit_tokens,
+            "kv_disk_read_bytes": self.read_bytes,
+            "kv_disk_written_bytes": self.written_bytes,
+            "kv_disk_evicted_files": self.evicted_files,
+            "kv_disk_skipped_files": self.skipped_files,
+            "kv_disk_dropped_blocks": self.dropped_blocks,
+        }
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # NOTE: evicted meanwhile: its arrays were read whole
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize

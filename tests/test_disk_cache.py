@@ -1,0 +1,312 @@
+"""The prefix cache's disk tier (`--kv-cache-dir`): blocks written by one engine are read by the
+next, answers unchanged; any file that is not exactly the block asked for is skipped.
+
+Parity is checked against mlx-lm's own greedy generation on the tiny random llama that sees its
+context (tests/test_context_sensitive.py): KV loaded into a wrong place, or another prompt's,
+changes the tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from engine_harness import bounded  # noqa: F401
+from scheduler_util import (
+    assert_pages_balanced,
+    drive,
+    greedy,
+    make_scheduler,
+    random_prompt,
+    reference_greedy,
+    tiny_model,
+    tokens,
+)
+
+from engine.config import EngineConfig
+from engine.random_model import TINY_LLAMA, make_random_model
+from scheduler_proc import kv_files
+from scheduler_proc.disk_cache import BlockFormat, DiskCache
+from scheduler_proc.model_identity import fingerprint
+from scheduler_proc.scheduler import Scheduler
+
+pytestmark = pytest.mark.usefixtures("bounded")
+PAGE = 16  # NOTE: a block is 256 tokens: 16 pages
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_weights_dir):
+    return tiny_model(tiny_weights_dir)
+
+
+def _engine(model, folder: Path, **overrides) -> Scheduler:
+    return make_scheduler(model, page_size=PAGE, kv_cache_dir=str(folder), **overrides)
+
+
+def _serve(sched: Scheduler, prompts: dict[str, list[int]], n: int = 6) -> dict[str, list]:
+    outs = drive(sched, {0: [(rid, p, greedy(n)) for rid, p in prompts.items()]})
+    return {rid: outs[rid] for rid in prompts}
+
+
+def _stopped(sched: Scheduler) -> None:
+    """What a clean stop does: queued blocks written, then the process would exit."""
+    assert_pages_balanced(sched)
+    sched.shutdown()
+
+
+def _kv(sched: Scheduler, prefix: list[int]) -> list[np.ndarray]:
+    """The cached K/V of `prefix` (every full layer), as the pool holds them."""
+    assert sched.prefix is not None
+    m = sched.prefix.tree.match_prefix(prefix)
+    assert m.length == len(prefix), "not cached"
+    return [np.array(a.astype(mx.float32)) for a in sched.pool.read_tokens(m.slots)]
+
+
+def _systems(seed: int, n: int, length: int = 600) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(rng, length) for _ in range(n)]
+
+
+def test_a_restarted_engine_reads_the_prefix_from_disk_and_answers_the_same(llama, tmp_path):
+    """An agent's system prompt served once; a new engine on the same folder (a restart) takes
+    its whole blocks from disk for the next prompt sharing it: counted as cached tokens, and
+    the answer is mlx-lm's token for token."""
+    system = _systems(0, 1, 700)[0]
+    rng = random.Random(1)
+    first, second = system + random_prompt(rng, 20), system + random_prompt(rng, 40)
+    before = _engine(llama, tmp_path)
+    out = _serve(before, {"a": first})["a"]
+    assert tokens(out) == reference_greedy(llama, first, 6)
+    assert before.stats()["kv_disk_queued_blocks"] == 0, "blocks still locked after a settle"
+    _stopped(before)
+    assert len(list(tmp_path.rglob("*.kv"))) == 2  # NOTE: 700 + 20 + 5 tokens: 2 whole blocks
+    written = _kv(before, system[:512])
+
+    after = _engine(llama, tmp_path)
+    out = _serve(after, {"b": second})["b"]
+    assert tokens(out) == reference_greedy(llama, second, 6)
+    assert out[-1].cached_tokens == 512
+    for a, b in zip(written, _kv(after, system[:512]), strict=True):
+        assert np.array_equal(a, b), "the KV read back is not the KV written"
+    stats = after.stats()
+    assert stats["kv_disk_hit_tokens"] == 512 and stats["kv_disk_skipped_files"] == 0
+    _stopped(after)
+
+
+def test_a_prefix_partly_in_memory_continues_from_disk(llama, tmp_path):
+    """Memory holds a prompt's first 300 tokens (a block and a part), the disk the blocks after:
+    the next prompt sharing them takes both, the loaded blocks joining the tree after the
+    cached part."""
+    system = _systems(2, 1, 1100)[0]
+    rng = random.Random(3)
+    writer = _engine(llama, tmp_path)
+    _serve(writer, {"w": system + random_prompt(rng, 10)})
+    _stopped(writer)
+    reader = _engine(llama, tmp_path)
+    _serve(reader, {"short": system[:300]})
+    assert reader.stats()["kv_disk_hit_tokens"] == 256  # NOTE: its first block, from disk
+    prompt = system + random_prompt(rng, 30)
+    out = _serve(reader, {"long": prompt})["long"]
+    assert tokens(out) == reference_greedy(llama, prompt, 6)
+    assert out[-1].cached_tokens == 1024
+    assert reader.stats()["kv_disk_hit_tokens"] == 256 + 1024 - 300
+    _stopped(reader)
+
+
+def _plant(folder: Path, rng: random.Random) -> dict[str, int]:
+    """Every way a block file can be wrong, one per file found, and 100 junk files beside."""
+    files = sorted(folder.rglob("*.kv"))
+    kinds = ["truncate", "flip", "header", "foreign", "empty", "garbage"]
+    planted: dict[str, int] = {}
+    for i, path in enumerate(files):
+        kind = kinds[i % len(kinds)]
+        data = bytearray(path.read_bytes())
+        if kind == "truncate":
+            data = data[: rng.randrange(1, len(data))]
+        elif kind == "flip":
+            data[rng.randrange(len(data) // 2, len(data) - 40)] ^= 0x5A
+        elif kind == "header":
+            data[20] ^= 0x01
+        elif kind == "foreign":  # NOTE: a whole, checked block, of another prefix
+            data = bytearray(files[(i + 1) % len(files)].read_bytes())
+        elif kind == "empty":
+            data = bytearray()
+        else:
+            data = bytearray(rng.randbytes(len(data)))
+        path.write_bytes(bytes(data))
+        planted[kind] = planted.get(kind, 0) + 1
+    sub = files[0].parent
+    for i in range(100):
+        junk = rng.randbytes(rng.randrange(0, 4096))
+        (sub / f"{rng.randbytes(16).hex()}.kv").write_bytes(junk)
+        (sub / f".x{i}.kv.123.abcd.tmp").write_bytes(junk)  # NOTE: a writer killed mid-write
+    return planted
+
+
+def test_corrupt_truncated_foreign_and_half_written_files_are_skipped(llama, tmp_path):
+    """Every block file damaged (truncated, a flipped bit in KV or header, another block's file
+    under its name, empty, random bytes) and 100 junk files beside: the next engine skips each
+    with a log line, computes instead, and answers exactly what a cache-less engine does."""
+    systems = _systems(4, 6)
+    rng = random.Random(5)
+    prompts = {f"p{i}": s + random_prompt(rng, 20) for i, s in enumerate(systems)}
+    writer = _engine(llama, tmp_path)
+    _serve(writer, prompts)
+    _stopped(writer)
+    planted = _plant(tmp_path, random.Random(6))
+    assert sum(planted.values()) == 12 and len(planted) == 6
+
+    reader = _engine(llama, tmp_path)
+    again = {rid: p[:-20] + random_prompt(rng, 25) for rid, p in prompts.items()}
+    outs = _serve(reader, again)
+    for rid, prompt in again.items():
+        assert tokens(outs[rid]) == reference_greedy(llama, prompt, 6), rid
+    stats = reader.stats()
+    assert stats["kv_disk_hit_tokens"] == 0
+    # NOTE: a load stops at its first bad block: each prompt's first block (its second is
+    # never read), and the junk, never a block's name, is never read either
+    assert stats["kv_disk_skipped_files"] == 6
+    assert_pages_balanced(reader)
+    _stopped(reader)
+
+
+def test_another_model_never_reads_these_blocks(llama, tmp_path, tmp_path_factory):
+    """Random weights of the same shape (same files, names and sizes) are another model: its
+    engine on the same folder finds nothing, and writes beside, not over."""
+    other_dir = make_random_model(tmp_path_factory.mktemp("other-llama"), TINY_LLAMA, seed=1)
+    other = tiny_model(other_dir)
+    assert fingerprint(other) != fingerprint(llama)
+    prompt = _systems(7, 1)[0] + [1, 2, 3]
+    first = _engine(llama, tmp_path)
+    _serve(first, {"a": prompt})
+    _stopped(first)
+    second = _engine(other, tmp_path)
+    out = _serve(second, {"b": prompt})["b"]
+    assert tokens(out) == reference_greedy(other, prompt, 6)
+    assert out[-1].cached_tokens == 0
+    _stopped(second)
+    assert len({p.parent for p in tmp_path.rglob("*.kv")}) == 2
+
+
+def test_flush_cache_clears_the_disk_too(llama, tmp_path):
+    sched = _engine(llama, tmp_path)
+    _serve(sched, {"a": _systems(8, 1)[0]})
+    sched.shutdown()  # NOTE: writes finished; the folder is then the engine's to flush
+    assert list(tmp_path.rglob("*.kv"))
+    sched.kv.flush()
+    assert not list(tmp_path.rglob("*.kv"))
+    assert sched.stats()["kv_disk_files"] == 0
+
+
+def test_a_model_change_keys_blocks_by_the_new_model(llama, tmp_path, tmp_path_factory):
+    """After a weight swap (admin.py calls `model_changed`), blocks are keyed by the new
+    weights: the old model's blocks are not read."""
+    sched = _engine(llama, tmp_path)
+    prompt = _systems(9, 1)[0] + [5, 6]
+    _serve(sched, {"a": prompt})
+    old = sched.kv.disk.cache.folder
+    other_dir = make_random_model(tmp_path_factory.mktemp("swap"), TINY_LLAMA, seed=2)
+    sched.runner.model = tiny_model(other_dir)
+    sched.model_changed()
+    sched.kv.flush(disk=False)
+    assert sched.kv.disk.cache.folder != old and list(old.glob("*.kv"))
+    out = _serve(sched, {"b": prompt})["b"]
+    assert out[-1].cached_tokens == 0
+    sched.shutdown()
+
+
+# -- the file format and the folder ----------------------------------------------------------------
+FMT = BlockFormat(4, (("bfloat16", (2, 4, 3)), ("float32", (2, 4, 3))))
+
+
+def _arrays(seed: int) -> list[np.ndarray]:
+    r = np.random.default_rng(seed)
+    return [r.integers(0, 2**16, (2, 4, 3), dtype=np.uint16), r.random((2, 4, 3), np.float32)]
+
+
+def _header(key: str) -> dict:
+    arrays = [["bfloat16", [2, 4, 3]], ["float32", [2, 4, 3]]]
+    return {"identity": "m", "key": key, "tokens": [1, 2, 3, 4], "arrays": arrays}
+
+
+def test_a_block_file_reads_back_exactly_and_refuses_any_cut(tmp_path):
+    path = tmp_path / "b.kv"
+    arrays = _arrays(0)
+    size = kv_files.dump(path, _header("k"), arrays, ["bfloat16", "float32"])
+    assert size == path.stat().st_size
+    back = kv_files.load(path, _header("k"), 1 << 20)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, back, strict=True))
+    assert back[0].dtype == np.uint16
+    data = path.read_bytes()
+    for cut in range(0, len(data), 7):
+        path.write_bytes(data[:cut])
+        with pytest.raises(kv_files.KVFileError):
+            kv_files.load(path, _header("k"), 1 << 20)
+    path.write_bytes(data)
+    with pytest.raises(kv_files.KVFileError, match="key"):
+        kv_files.load(path, _header("other"), 1 << 20)
+    with pytest.raises(kv_files.KVFileError, match="larger"):
+        kv_files.load(path, _header("k"), 100)
+    assert not list(tmp_path.glob("*.tmp")), "a temporary file stayed behind"
+
+
+def test_the_folder_keeps_its_budget_least_recently_used_first(tmp_path):
+    tokens = list(range(10, 50))
+
+    def write(cache: DiskCache, keys: list[bytes], k: int) -> None:
+        cache.store(tokens, keys, {k: _arrays(k)})
+        cache._writer.submit(lambda: None).result()  # NOTE: one writer thread: in order
+        time.sleep(0.01)
+
+    probe = DiskCache(tmp_path / "probe", 1 << 20, FMT, "m")
+    write(probe, probe.keys(tokens, 1), 0)
+    size = probe.bytes
+    probe.close()
+    cache = DiskCache(tmp_path / "c", 3 * size + 10, FMT, "m")
+    keys = cache.keys(tokens, 10)
+    for k in range(5):
+        write(cache, keys, k)
+    assert cache.stats()["kv_disk_files"] == 3 and cache.bytes <= cache.capacity
+    assert cache.evicted_files == 2
+    assert [cache.has(key) for key in keys[:5]] == [False, False, True, True, True]
+    assert len(cache.load(tokens, keys, 2, 1).result()) == 1  # NOTE: read: now the newest
+    cache.close()
+    later = DiskCache(tmp_path / "c", 2 * size + 10, FMT, "m")  # NOTE: restarted, less room
+    assert [later.has(key) for key in keys[:5]] == [False, False, True, False, True]
+    later.close()
+
+
+def test_a_dead_writers_temporary_files_go_at_start_and_a_live_ones_stay(tmp_path):
+    sub = tmp_path / "x"
+    sub.mkdir()
+    old, new = sub / ".a.kv.1.ab.tmp", sub / ".b.kv.2.cd.tmp"
+    old.write_bytes(b"partial")
+    new.write_bytes(b"partial")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    DiskCache(tmp_path, 1 << 20, FMT, "m").close()
+    assert not old.exists() and new.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"disable_radix_cache": True}, "radix cache"),
+        ({"kv_cache_disk_gb": 0}, "kv_cache_disk_gb"),
+        ({"tp": 2}, "tensor parallel"),
+    ],
+)
+def test_options_that_cannot_go_with_a_disk_tier_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(kv_cache_dir=str(tmp_path), **overrides).validate()
+
+
+def test_a_folder_that_cannot_be_made_is_refused_before_the_model_loads(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="kv_cache_dir"):
+        EngineConfig(kv_cache_dir=str(blocker / "sub")).validate()
