@@ -95,7 +95,7 @@ class EngineConfig:
     kv_cache_dir: str | None = _opt(
         None,
         "A folder for the prefix cache's disk tier: finished requests' KV is written there in "
-        "blocks of 256 tokens (in the background), and a prompt whose prefix is there loads it "
+        "blocks of 64 tokens (in the background), and a prompt whose prefix is there loads it "
         "instead of computing it, after a restart too; off by default",
     )
     kv_cache_disk_gb: float = _opt(

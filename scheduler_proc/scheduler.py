@@ -54,9 +54,11 @@ log = logging.getLogger(__name__)
 
 # NOTE: a first-seen shape costs ~50-100 ms on a GPU; beyond this the rest compile when first seen.
 WARM_UP_DEADLINE_S = 120.0
-# NOTE: the disk tier's unit (rounded up to whole pages): a file of 256 tokens is 6 MiB of the
-# default model's KV, 8 MiB of a Llama-3.2-1B's; a prompt's last partial block is recomputed.
-DISK_BLOCK_TOKENS = 256
+# NOTE: the disk tier's unit (rounded up to whole pages): a file of 64 tokens is 1.4 MiB of the
+# default model's KV, 2 MiB of a Llama-3.2-1B's. A prompt's last partial block is recomputed:
+# with 256-token blocks a restart's first token over a 2,000-word system prompt took 0.21x a
+# cold start's on the CPU (~250 tokens computed again), with 64 0.07x (scripts/bench_restart.py).
+DISK_BLOCK_TOKENS = 64
 
 COUNTERS = (
     "steps_launched",  # fresh + chained, counted by prepare_launch only

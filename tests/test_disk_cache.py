@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from engine_harness import bounded  # noqa: F401
+from engine_harness import LaunchedEngine, bounded, post_json  # noqa: F401
 from scheduler_util import (
     assert_pages_balanced,
     drive,
@@ -33,10 +33,11 @@ from engine.random_model import TINY_LLAMA, make_random_model
 from scheduler_proc import kv_files
 from scheduler_proc.disk_cache import BlockFormat, DiskCache
 from scheduler_proc.model_identity import fingerprint
-from scheduler_proc.scheduler import Scheduler
+from scheduler_proc.scheduler import DISK_BLOCK_TOKENS, Scheduler
 
 pytestmark = pytest.mark.usefixtures("bounded")
-PAGE = 16  # NOTE: a block is 256 tokens: 16 pages
+PAGE = 16
+B = DISK_BLOCK_TOKENS  # NOTE: a multiple of PAGE: blocks are whole pages
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +85,23 @@ def test_a_restarted_engine_reads_the_prefix_from_disk_and_answers_the_same(llam
     assert tokens(out) == reference_greedy(llama, first, 6)
     assert before.stats()["kv_disk_queued_blocks"] == 0, "blocks still locked after a settle"
     _stopped(before)
-    assert len(list(tmp_path.rglob("*.kv"))) == 2  # NOTE: 700 + 20 + 5 tokens: 2 whole blocks
-    written = _kv(before, system[:512])
+    assert len(list(tmp_path.rglob("*.kv"))) == (700 + 20 + 5) // B  # NOTE: whole blocks
+    shared = 700 // B * B  # NOTE: the next prompt's blocks: the system prompt's whole ones
+    written = _kv(before, system[:shared])
 
     after = _engine(llama, tmp_path)
     out = _serve(after, {"b": second})["b"]
     assert tokens(out) == reference_greedy(llama, second, 6)
-    assert out[-1].cached_tokens == 512
-    for a, b in zip(written, _kv(after, system[:512]), strict=True):
+    assert out[-1].cached_tokens == shared
+    for a, b in zip(written, _kv(after, system[:shared]), strict=True):
         assert np.array_equal(a, b), "the KV read back is not the KV written"
     stats = after.stats()
-    assert stats["kv_disk_hit_tokens"] == 512 and stats["kv_disk_skipped_files"] == 0
+    assert stats["kv_disk_hit_tokens"] == shared and stats["kv_disk_skipped_files"] == 0
     _stopped(after)
 
 
 def test_a_prefix_partly_in_memory_continues_from_disk(llama, tmp_path):
-    """Memory holds a prompt's first 300 tokens (a block and a part), the disk the blocks after:
+    """Memory holds a prompt's first 300 tokens (blocks and a part), the disk the blocks after:
     the next prompt sharing them takes both, the loaded blocks joining the tree after the
     cached part."""
     system = _systems(2, 1, 1100)[0]
@@ -109,12 +111,13 @@ def test_a_prefix_partly_in_memory_continues_from_disk(llama, tmp_path):
     _stopped(writer)
     reader = _engine(llama, tmp_path)
     _serve(reader, {"short": system[:300]})
-    assert reader.stats()["kv_disk_hit_tokens"] == 256  # NOTE: its first block, from disk
+    first = 299 // B * B  # NOTE: its whole blocks, from disk
+    assert reader.stats()["kv_disk_hit_tokens"] == first
     prompt = system + random_prompt(rng, 30)
     out = _serve(reader, {"long": prompt})["long"]
     assert tokens(out) == reference_greedy(llama, prompt, 6)
-    assert out[-1].cached_tokens == 1024
-    assert reader.stats()["kv_disk_hit_tokens"] == 256 + 1024 - 300
+    assert out[-1].cached_tokens == 1100 // B * B
+    assert reader.stats()["kv_disk_hit_tokens"] == first + 1100 // B * B - 300
     _stopped(reader)
 
 
@@ -158,8 +161,9 @@ def test_corrupt_truncated_foreign_and_half_written_files_are_skipped(llama, tmp
     writer = _engine(llama, tmp_path)
     _serve(writer, prompts)
     _stopped(writer)
+    files = len(list(tmp_path.rglob("*.kv")))
     planted = _plant(tmp_path, random.Random(6))
-    assert sum(planted.values()) == 12 and len(planted) == 6
+    assert sum(planted.values()) == files == 6 * ((620 + 5) // B) and len(planted) == 6
 
     reader = _engine(llama, tmp_path)
     again = {rid: p[:-20] + random_prompt(rng, 25) for rid, p in prompts.items()}
@@ -310,3 +314,53 @@ def test_a_folder_that_cannot_be_made_is_refused_before_the_model_loads(tmp_path
     blocker.write_text("")
     with pytest.raises(ValueError, match="kv_cache_dir"):
         EngineConfig(kv_cache_dir=str(blocker / "sub")).validate()
+
+
+# -- as users run it -------------------------------------------------------------------------------
+WORDS = "the agent reads a file then edits a line and runs the tests again".split()
+
+
+def _metric(engine: LaunchedEngine, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(engine.http + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _complete(engine: LaunchedEngine, prompt: str) -> dict:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    status, reply = post_json(engine, "/v1/completions", body)
+    assert status == 200, reply
+    return reply
+
+
+def test_the_cache_survives_kill_9_and_a_restart(tiny_model_dir, tmp_path):
+    """`mlx-engine launch --kv-cache-dir`: a long system prompt served, the whole engine killed
+    with SIGKILL once its blocks are written, started again on the folder: the next request
+    sharing the prompt reports the blocks as cached tokens, /metrics as disk hits."""
+    rng = random.Random(0)
+    system = " ".join(rng.choice(WORDS) for _ in range(700))
+    folder = tmp_path / "kv"
+    args = ("--kv-cache-dir", str(folder), "--warmup", "off")
+    first = LaunchedEngine(tiny_model_dir, tmp_path / "1.log", *args).wait_ready()
+    try:
+        reply = _complete(first, system + " first question")
+        blocks = reply["usage"]["prompt_tokens"] // B
+        assert blocks * B > 512
+        deadline = time.monotonic() + 30
+        while _metric(first, "mlx_engine_kv_disk_files") < blocks:
+            assert time.monotonic() < deadline, "no block written"
+            time.sleep(0.1)
+    finally:
+        first.stop()  # NOTE: SIGKILL to the whole process group
+    second = LaunchedEngine(tiny_model_dir, tmp_path / "2.log", *args).wait_ready()
+    try:
+        reply = _complete(second, system + " another question")
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 512
+        assert _metric(second, "mlx_engine_kv_disk_hit_tokens_total") >= 512
+        assert _metric(second, "mlx_engine_kv_disk_skipped_files_total") == 0
+    finally:
+        second.stop()

@@ -49,6 +49,17 @@ STATS = (
     _counter("generation_tokens", "Tokens generated", "generated_tokens"),
     _counter("prefill_tokens", "Prompt tokens computed (prefix cache hits excluded)"),
     _counter("prefix_cache_hit_tokens", "Prompt tokens reused from the cache"),
+    Stat("kv_disk_bytes", "Bytes of KV blocks in --kv-cache-dir"),
+    Stat("kv_disk_files", "KV block files in --kv-cache-dir"),
+    _counter(
+        "kv_disk_hit_tokens", "Prompt tokens loaded from --kv-cache-dir (also counted as hits)"
+    ),
+    _counter("kv_disk_read_bytes", "Bytes of KV read from --kv-cache-dir"),
+    _counter("kv_disk_written_bytes", "Bytes of KV written to --kv-cache-dir"),
+    _counter("kv_disk_evicted_files", "Block files removed to keep --kv-cache-disk-gb"),
+    _counter(
+        "kv_disk_skipped_files", "Block files skipped: truncated, corrupt or not the block asked"
+    ),
     _counter("steps_launched", "Model steps launched on the device"),
     _counter("steps_prefill", "Steps whose forward ran prompt chunks"),
     _counter("steps_chained", "Steps launched on the step before's lazy tokens (overlap loop)"),

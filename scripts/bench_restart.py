@@ -1,0 +1,146 @@
+"""First token after a restart, with and without the prefix cache's disk tier (`--kv-cache-dir`).
+
+An agent's long system prompt is served once; the whole engine is killed with SIGKILL once its
+blocks are on disk (or the process would be restarted by a supervisor after a crash), started
+again on the same folder, and asked a new question under the same system prompt. The same
+question on a fresh engine with an empty folder is the cold start it is compared with. Each
+time is a chat completion of one token (the prompt's prefill and one step: the first token).
+
+    .venv/bin/python scripts/bench_restart.py [--model DIR] [--system-words 2000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+WORDS = (
+    "agent file test edit read write run command output error line function class module "
+    "import return value list dict string path search replace build check commit branch merge "
+    "review patch diff status log result tool call argument schema project repository"
+).split()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, model: str | None, folder: Path, log: Path, extra: list[str]) -> None:
+        self.http = _port()
+        cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--port", str(self.http)]
+        cmd += ["--zmq-port", str(_port()), "--kv-cache-dir", str(folder), *extra]
+        cmd += ["--model", model] if model else []
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + 600
+        while "engine ready" not in log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"engine did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def first_token_s(self, system: str, question: str) -> tuple[float, int]:
+        """Seconds for a one-token chat completion, and its cached prompt tokens."""
+        body = {
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", self.http, timeout=600)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "json"})
+        reply = json.loads(conn.getresponse().read())
+        elapsed = time.perf_counter() - t0
+        conn.close()
+        return elapsed, reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.http}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def written(self, timeout: float = 120.0) -> None:
+        """Wait until the disk tier has written what it queued (the byte count stops moving)."""
+        deadline, last = time.monotonic() + timeout, -1.0
+        while time.monotonic() < deadline:
+            now = self.metric("mlx_engine_kv_disk_written_bytes_total")
+            if now > 0 and now == last:
+                return
+            last = now
+            time.sleep(1.0)
+        raise RuntimeError("the disk tier kept writing")
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model dir (default: the engine's)")
+    ap.add_argument("--system-words", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--launch-args", default="", help="more `mlx-engine launch` options")
+    args = ap.parse_args()
+    extra = args.launch_args.split()
+    work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    rows = []
+    try:
+        for i in range(args.repeats):
+            rng = random.Random(i)
+            system = " ".join(rng.choice(WORDS) for _ in range(args.system_words))
+            questions = [f"question {i}-{k}: which {rng.choice(WORDS)}?" for k in range(2)]
+            warm_dir, cold_dir = work / f"warm{i}", work / f"cold{i}"
+            first = Engine(args.model, warm_dir, work / "first.log", extra)
+            seed_s, _ = first.first_token_s(system, questions[0])
+            first.written()
+            first.kill()
+            restarted = Engine(args.model, warm_dir, work / "restart.log", extra)
+            restart_s, cached = restarted.first_token_s(system, questions[1])
+            restarted.kill()
+            cold = Engine(args.model, cold_dir, work / "cold.log", extra)
+            cold_s, _ = cold.first_token_s(system, questions[1])
+            cold.kill()
+            rows.append((cold_s, restart_s, cached, seed_s))
+            print(
+                f"run {i}: cold start {cold_s:.3f} s, after kill -9 and a restart "
+                f"{restart_s:.3f} s ({restart_s / cold_s:.2f}x, {cached} cached tokens); "
+                f"the first engine's own first request {seed_s:.3f} s",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratio = statistics.median(r[1] / r[0] for r in rows)
+    print(f"median restart / cold first-token time: {ratio:.2f}x over {len(rows)} runs")
+
+
+if __name__ == "__main__":
+    main()
