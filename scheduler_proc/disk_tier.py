@@ -59,13 +59,12 @@ class DiskLoad:
 
 
 def block_format(pool: KVPool, block_tokens: int) -> BlockFormat:
-    """What a block of `pool`'s full-attention KV holds: K then V per layer."""
+    """What a block of `pool`'s full-attention KV holds: its arrays as stored (K then V per
+    layer; quantized, each one's codes, scales and biases)."""
     arrays = []
-    for i, ring in enumerate(pool.rings):
-        if ring is None:
-            for buf in (pool.keys[i], pool.values[i]):
-                h, _, d = buf.shape
-                arrays.append((_dtype_name(buf.dtype), (h, block_tokens, d)))
+    for a in pool.paged_arrays():
+        h, _, d = a.shape
+        arrays.append((_dtype_name(a.dtype), (h, block_tokens, d)))
     return BlockFormat(block_tokens, tuple(arrays))
 
 

@@ -124,7 +124,7 @@ class Draft:
             self._forward(mx.array(grid, dtype=mx.int32), todo_rows, [s for _, s in todo], lengths)
             # NOTE: the KV alone: the logits (the vocabulary's head, for every position) are
             # never computed
-            mx.eval(self.pool.keys, self.pool.values)
+            mx.eval(self.pool.kv_arrays())
             for (r, s), n in zip(todo, lengths, strict=True):
                 _row(r).upto = s + n
             self.caught_up += sum(lengths)

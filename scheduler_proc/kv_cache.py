@@ -31,6 +31,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from scheduler_proc.decode_attention import Groups, PagedKeys, RowGroup
 from scheduler_proc.kv_layout import LayerShape, Layout, bytes_per_token, ring_size
+from scheduler_proc.kv_quant import Buffer, KVQuant, QuantBuffer, parts, rebuilt
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def slot_index(slots: np.ndarray | list[int]) -> mx.array:
     return mx.array(np.asarray(slots, dtype=np.int32).reshape(1, -1, 1))
 
 
-def write_slots(buf: mx.array, index: mx.array, new: mx.array) -> mx.array:
+def write_slots(buf: Buffer, index: mx.array, new: mx.array) -> Buffer:
     """`buf[:, slots] = new` for a `(kv_heads, n, dim)` update, in place; returns `buf`.
 
     NOTE: one scatter along the slot axis (`put_along_axis`: 4 graph nodes with the update's
@@ -71,7 +72,22 @@ def write_slots(buf: mx.array, index: mx.array, new: mx.array) -> mx.array:
     assignment does (no node): a scatter reuses its input's memory only when nothing else holds
     it, and a new object would leave the old one to whoever kept a reference.
     """
+    if isinstance(buf, QuantBuffer):
+        for part, x in zip(buf.parts, buf.quantize(new), strict=True):
+            part[...] = mx.put_along_axis(part, index, x, axis=1)
+        return buf
     buf[...] = mx.put_along_axis(buf, index, new, axis=1)
+    return buf
+
+
+def write_run(buf: Buffer, s0: int, new: mx.array) -> Buffer:
+    """`buf[:, s0 : s0 + n] = new` for a `(kv_heads, n, dim)` update (pages in one run)."""
+    n = new.shape[1]
+    if isinstance(buf, QuantBuffer):
+        for part, x in zip(buf.parts, buf.quantize(new), strict=True):
+            part[:, s0 : s0 + n] = x
+        return buf
+    buf[:, s0 : s0 + n] = new
     return buf
 
 
@@ -102,15 +118,13 @@ class _RowView:
     def fused_keys(self, window: int | None) -> None:
         return None
 
-    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+    def write(self, buf: Buffer, new: mx.array) -> Buffer:
         p, n = self.pool.page_size, new.shape[2]
         if self._run:
-            s0 = self.table[0] * p + self.offset
-            buf[:, s0 : s0 + n] = new[0]
-            return buf
+            return write_run(buf, self.table[0] * p + self.offset, new[0])
         return write_slots(buf, slot_index(token_slots(self.table, self.offset, n, p)), new[0])
 
-    def read(self, buf: mx.array, n: int) -> mx.array:
+    def read(self, buf: Buffer, n: int) -> mx.array:
         return self.pool.gather([self.table], self.offset + n, buf, run=self._run)
 
     def write_ring(self, buf: mx.array, new: mx.array, ring: int) -> mx.array:
@@ -237,7 +251,7 @@ class _RaggedView:
         own = np.take_along_axis(tables, index, axis=1).astype(np.int64) * page + pos % page
         return np.where(real, own, self.pool.scratch_page * page + t % page).reshape(-1)
 
-    def groups(self, keys: mx.array, values: mx.array) -> Groups | None:
+    def groups(self, keys: Buffer, values: Buffer) -> Groups | None:
         """A full layer's attention in parts (`grouped`), from its buffers after the write."""
         if self._group_reads is None:  # NOTE: once per forward, shared by every layer
             if self.by_rows:
@@ -273,7 +287,7 @@ class _RaggedView:
         pages = self._tables[index][:, : pool.pages_for(n)]
         return _GroupReads(index, tables, pages, n, run, mask)
 
-    def _group(self, r: _GroupReads, keys: mx.array, values: mx.array) -> RowGroup:
+    def _group(self, r: _GroupReads, keys: Buffer, values: Buffer) -> RowGroup:
         for buf in (keys, values):
             self.pool.count_gather(len(r.tables), r.keys, buf, r.run)
         k = self.pool.gather(r.tables, r.keys, keys, r.pages, r.run)
@@ -286,18 +300,17 @@ class _RaggedView:
             return None
         return PagedKeys(self._ends, self.length, self._tables, self.pool.page_size)
 
-    def write(self, buf: mx.array, new: mx.array) -> mx.array:
+    def write(self, buf: Buffer, new: mx.array) -> Buffer:
         r, h, t, d = new.shape
         plan = self.plan
         if self._run and plan.lengths == [t]:  # NOTE: one row, unpadded, pages in one run
-            s0 = plan.tables[0][0] * self.pool.page_size + plan.starts[0]
-            buf[:, s0 : s0 + t] = new[0]
-            return buf
+            return write_run(buf, plan.tables[0][0] * self.pool.page_size + plan.starts[0], new[0])
         # NOTE: (R, kv_heads, T, dim) -> (kv_heads, R * T, dim), row-major like the slots
         return write_slots(buf, self._write_idx, new.transpose(1, 0, 2, 3).reshape(h, r * t, d))
 
-    def read(self, buf: mx.array, n: int) -> mx.array:
+    def read(self, buf: Buffer, n: int) -> mx.array:
         if self.fused:
+            assert not isinstance(buf, QuantBuffer), "the fused kernel reads plain pages"
             return buf[None]  # NOTE: the kernel reads through the table (`fused_keys`)
         if not self.grouped:  # NOTE: grouped, this gather is never run (`KVPool.update`)
             self.pool.count_gather(len(self.plan.tables), self.length, buf, self._run)
@@ -486,9 +499,11 @@ class KVPool:
         context: int,
         chunk: int,
         capacity: int | None = None,
+        quant: KVQuant | None = None,
     ) -> None:
-        """`pages` allocated now, up to `capacity` (default: `pages`) by `grow`."""
-        self.layout, self.shapes = layout, list(layout.kv)
+        """`pages` allocated now, up to `capacity` (default: `pages`) by `grow`; `quant`:
+        full-attention pages quantized (`--kv-bits`; rings and state stay as they are)."""
+        self.layout, self.shapes, self.quant = layout, list(layout.kv), quant
         self.pages, self.page_size, self.slots, self.context = pages, page_size, slots, context
         self.capacity = max(pages, capacity or pages)
         self.initial = pages  # NOTE: `shrink` goes no lower
@@ -497,31 +512,38 @@ class KVPool:
         self.rings = [
             None if s.window is None else ring_size(s.window, chunk, context) for s in self.shapes
         ]
-        self.keys = [
+        self.keys: list[Buffer] = [
             self._buffer(s, r, s.k_dim) for s, r in zip(self.shapes, self.rings, strict=True)
         ]
-        self.values = [
+        self.values: list[Buffer] = [
             self._buffer(s, r, s.v_dim) for s, r in zip(self.shapes, self.rings, strict=True)
         ]
         self.states = [
             [mx.zeros((slots + 1, *shape), dtype) for shape, dtype in st.arrays]
             for st in layout.states
         ]
-        mx.eval(self.keys, self.values, self.states)
+        mx.eval(self.kv_arrays(), self.states)
 
-    def _buffer(self, shape: LayerShape, ring: int | None, dim: int) -> mx.array:
-        if ring is None:
-            return mx.zeros((shape.kv_heads, (self.pages + 1) * self.page_size, dim), shape.dtype)
-        return mx.zeros((self.slots + 1, shape.kv_heads, ring, dim), shape.dtype)
+    def _buffer(self, shape: LayerShape, ring: int | None, dim: int) -> Buffer:
+        if ring is not None:
+            return mx.zeros((self.slots + 1, shape.kv_heads, ring, dim), shape.dtype)
+        tokens = (self.pages + 1) * self.page_size
+        if self.quant is not None:
+            return QuantBuffer.zeros(shape.kv_heads, tokens, dim, shape.dtype, self.quant)
+        return mx.zeros((shape.kv_heads, tokens, dim), shape.dtype)
+
+    def kv_arrays(self) -> list[mx.array]:
+        """Every K/V array (a quantized buffer's parts each)."""
+        return [a for buf in self.keys + self.values for a in parts(buf)]
 
     @property
     def token_bytes(self) -> int:
         """K and V of one token over the full-attention layers (what a paged token holds)."""
-        return bytes_per_token([s for s in self.shapes if s.window is None])
+        return bytes_per_token([s for s in self.shapes if s.window is None], self.quant)
 
     @property
     def nbytes(self) -> int:
-        kv = sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+        kv = sum(a.nbytes for a in self.kv_arrays())
         return kv + sum(a.nbytes for layer in self.states for a in layer)
 
     def pages_for(self, tokens: int) -> int:
@@ -536,10 +558,10 @@ class KVPool:
         for i, ring in enumerate(self.rings):
             if ring is None:
                 for bufs in (self.keys, self.values):
-                    h, _, d = bufs[i].shape
-                    extra = mx.zeros((h, add * self.page_size, d), bufs[i].dtype)
-                    bufs[i] = mx.concatenate([bufs[i], extra], axis=1)
-                    mx.eval(bufs[i])  # NOTE: one layer at a time: the old buffer goes at once
+                    bufs[i] = rebuilt(
+                        bufs[i], [_grown(a, add * self.page_size) for a in parts(bufs[i])]
+                    )
+                    mx.eval(parts(bufs[i]))  # NOTE: one layer at a time: the old one goes at once
         self.pages += add
         # NOTE: the old buffers go back to the system now: Metal's cache would keep them (up
         # to its limit), and a step rarely asks for their size again.
@@ -557,8 +579,8 @@ class KVPool:
             if ring is None:
                 for bufs in (self.keys, self.values):
                     # NOTE: a copy (a slice would keep the whole buffer alive), a layer at a time
-                    bufs[i] = mx.contiguous(bufs[i][:, :keep])
-                    mx.eval(bufs[i])
+                    bufs[i] = rebuilt(bufs[i], [mx.contiguous(a[:, :keep]) for a in parts(bufs[i])])
+                    mx.eval(parts(bufs[i]))
         self.pages -= cut
         mx.clear_cache()
         return cut
@@ -599,16 +621,30 @@ class KVPool:
         rows = [t[:width] if len(t) >= width else (t + pad)[:width] for t in tables]
         return np.array(rows, dtype=np.int32).reshape(len(tables), width)
 
-    def count_gather(self, rows: int, keys: int, buf: mx.array, run: bool) -> None:
+    def count_gather(self, rows: int, keys: int, buf: Buffer, run: bool) -> None:
         """Count what `gather` copies for `rows` rows of `keys` keys (whole pages; a run: none),
         K or V of one layer: `gathered_bytes`, against the KV held."""
         if not run:
-            h, _, d = buf.shape
-            self.gathered_bytes += (
-                rows * self.pages_for(keys) * self.page_size * h * d * buf.itemsize
-            )
+            per_slot = sum(a.shape[0] * a.shape[2] * a.itemsize for a in parts(buf))
+            self.gathered_bytes += rows * self.pages_for(keys) * self.page_size * per_slot
 
     def gather(
+        self,
+        tables: list[list[int]],
+        keys: int,
+        buf: Buffer,
+        arr: mx.array | None = None,
+        run: bool = False,
+    ) -> mx.array:
+        """`(R, kv_heads, keys, dim)`: the first `keys` positions of each row, from its pages
+        (a quantized buffer's parts gathered, then dequantized)."""
+        if isinstance(buf, QuantBuffer):
+            if arr is None and not run:
+                arr = self.table_array(tables, self.pages_for(keys))
+            return buf.dequantize([self._gather(tables, keys, a, arr, run) for a in buf.parts])
+        return self._gather(tables, keys, buf, arr, run)
+
+    def _gather(
         self,
         tables: list[list[int]],
         keys: int,
@@ -638,16 +674,14 @@ class KVPool:
             self.keys[layer] = view.write(self.keys[layer], k)
             self.values[layer] = view.write(self.values[layer], v)
             if view.fresh:
-                return k, v
+                return _as_stored(self.keys[layer], k), _as_stored(self.values[layer], v)
             # NOTE: grouped, our attention reads `groups()` and this gather, lazy, never runs;
             # a layer that reuses another's keys (KV shared across layers) attends over it.
             return view.read(self.keys[layer], n), view.read(self.values[layer], n)
-        self.keys[layer] = view.write_ring(self.keys[layer], k, ring)
-        self.values[layer] = view.write_ring(self.values[layer], v, ring)
-        return (
-            view.read_ring(self.keys[layer], n, ring),
-            view.read_ring(self.values[layer], n, ring),
-        )
+        keys = view.write_ring(_plain(self.keys[layer]), k, ring)
+        values = view.write_ring(_plain(self.values[layer]), v, ring)
+        self.keys[layer], self.values[layer] = keys, values
+        return view.read_ring(keys, n, ring), view.read_ring(values, n, ring)
 
     def write_state(self, layer: int, entry: int, value: mx.array, rows) -> None:
         buf = self.states[layer][entry]
@@ -667,15 +701,15 @@ class KVPool:
     def read_slot(self, slot: int) -> list[mx.array]:
         """A slot's rings and recurrent state (copies), in a fixed order `write_slot` takes."""
         rows = slice(slot, slot + 1)
-        rings = [b[rows] for b, r in zip(self.keys + self.values, self.rings * 2, strict=True) if r]
+        bufs = zip(self.keys + self.values, self.rings * 2, strict=True)
+        rings = [_plain(b)[rows] for b, r in bufs if r]
         return [mx.contiguous(a) for a in rings + [a[rows] for st in self.states for a in st]]
 
     def write_slot(self, slot: int, arrays: list[mx.array]) -> None:
-        bufs = [(self.keys, i) for i, r in enumerate(self.rings) if r is not None]
-        bufs += [(self.values, i) for i, r in enumerate(self.rings) if r is not None]
-        bufs += [(st, j) for st in self.states for j in range(len(st))]
-        for (owner, i), a in zip(bufs, arrays, strict=True):
-            owner[i][slot : slot + 1] = a
+        rings = [b for b, r in zip(self.keys + self.values, self.rings * 2, strict=True) if r]
+        bufs = [_plain(b) for b in rings] + [a for st in self.states for a in st]
+        for buf, a in zip(bufs, arrays, strict=True):
+            buf[slot : slot + 1] = a
 
     def copy_tokens(self, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of token slots `src` to slots `dst` in every full layer (a shared
@@ -687,29 +721,55 @@ class KVPool:
         # hit with a partly filled page stalled the next step 2.7-4.9 s).
         self.write_tokens(dst, self.read_tokens(src))
 
-    def read_tokens(self, slots: list[int]) -> list[mx.array]:
-        """K then V of each full layer at token slots `slots` (`(kv_heads, n, dim)` each),
-        evaluated: nothing pending reads the pool after it (see `copy_tokens`)."""
-        s = mx.array(slots, dtype=mx.int32)
+    def paged_arrays(self) -> list[mx.array]:
+        """The full layers' arrays in a fixed order: K then V of each layer, a quantized
+        buffer's parts each (what `read_tokens` and `write_tokens` carry)."""
         full = [i for i, ring in enumerate(self.rings) if ring is None]
-        out = [a for i in full for a in (self.keys[i][:, s], self.values[i][:, s])]
+        return [a for i in full for buf in (self.keys[i], self.values[i]) for a in parts(buf)]
+
+    def read_tokens(self, slots: list[int]) -> list[mx.array]:
+        """`paged_arrays` at token slots `slots` (`(kv_heads, n, last)` each, as stored: codes
+        and scales when quantized), evaluated: nothing pending reads the pool after it (see
+        `copy_tokens`)."""
+        s = mx.array(slots, dtype=mx.int32)
+        out = [a[:, s] for a in self.paged_arrays()]
         mx.eval(out)
         return out
 
     def write_tokens(self, slots: list[int], arrays: list[mx.array]) -> None:
-        """Write `read_tokens`' layout (K then V of each full layer) at token slots `slots`."""
+        """Write `read_tokens`' layout at token slots `slots`, as stored (no quantizing)."""
         d = slot_index(slots)
-        full = [i for i, ring in enumerate(self.rings) if ring is None]
-        assert len(arrays) == 2 * len(full), "K and V of every full layer"
-        for j, i in enumerate(full):
-            write_slots(self.keys[i], d, arrays[2 * j])
-            write_slots(self.values[i], d, arrays[2 * j + 1])
-        mx.eval(self.keys, self.values)
+        targets = self.paged_arrays()
+        assert len(arrays) == len(targets), "every array of every full layer"
+        for buf, new in zip(targets, arrays, strict=True):
+            buf[...] = mx.put_along_axis(buf, d, new, axis=1)
+        mx.eval(targets)
 
     def state(self) -> list[mx.array]:
         """Every buffer, for `mx.async_eval` alongside a step's outputs."""
-        return [*self.keys, *self.values, *self.recurrent_state()]
+        return [*self.kv_arrays(), *self.recurrent_state()]
 
     def recurrent_state(self) -> list[mx.array]:
         """The recurrent layers' state buffers: a decode step writes them and reads them not."""
         return [a for layer in self.states for a in layer]
+
+
+def _grown(a: mx.array, tokens: int) -> mx.array:
+    """`a` with `tokens` zero slots more along its slot axis."""
+    h, _, d = a.shape
+    return mx.concatenate([a, mx.zeros((h, tokens, d), a.dtype)], axis=1)
+
+
+def _plain(buf: Buffer) -> mx.array:
+    """A ring's buffer: rings are never quantized."""
+    assert isinstance(buf, mx.array), "a window ring is a plain buffer"
+    return buf
+
+
+def _as_stored(buf: Buffer, new: mx.array) -> mx.array:
+    """A chunk's own K or V as attention reads them back from `buf`: through its quantization
+    when the pages are quantized, so a prompt attends to what a later step will read (a
+    preempted request recomputed, or a prefix hit, then equals the request computed once)."""
+    if isinstance(buf, QuantBuffer):
+        return buf.dequantize(buf.quantize(new))
+    return new

@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from engine.errors import ModelError
+from scheduler_proc.kv_quant import KVQuant
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,16 @@ class Layout:
         return sum(s.nbytes for s in self.states)
 
 
-def bytes_per_token(shapes: list[LayerShape] | tuple[LayerShape, ...]) -> int:
+def bytes_per_token(
+    shapes: list[LayerShape] | tuple[LayerShape, ...], quant: KVQuant | None = None
+) -> int:
+    """K and V of one token over `shapes`, as stored (`quant`: `--kv-bits` pages)."""
+    if quant is not None:
+        return sum(
+            quant.token_bytes(s.kv_heads, s.k_dim, s.dtype)
+            + quant.token_bytes(s.kv_heads, s.v_dim, s.dtype)
+            for s in shapes
+        )
     return sum(s.kv_heads * (s.k_dim + s.v_dim) * s.dtype.size for s in shapes)
 
 

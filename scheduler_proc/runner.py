@@ -123,6 +123,9 @@ class Runner:
         """One fused decode forward (scratch writes only): did every full-attention layer run
         the kernel? A model whose attention bypasses mlx-lm's function keeps the masked path,
         and so does a kernel whose results differ from MLX's attention (`self_check`)."""
+        if self.pool.quant is not None:
+            log.info("decode attention: masked (the fused kernel reads plain pages: --kv-bits)")
+            return False
         if not all(decode_attention.self_check(**case) for case in self._kernel_cases()):
             log.warning("decode attention: masked (the fused kernel failed its self-check)")
             return False

@@ -38,6 +38,7 @@ from scheduler_proc.kv_budget import KVPlan, plan_kv
 from scheduler_proc.kv_cache import KVPool
 from scheduler_proc.kv_layout import Layout, bytes_per_token, probe_model, ring_size
 from scheduler_proc.kv_manager import KVManager
+from scheduler_proc.kv_quant import KVQuant
 from scheduler_proc.model_identity import fingerprint
 from scheduler_proc.prefill_plan import PrefillPlanner, body_left, due
 from scheduler_proc.request import Req, State
@@ -99,11 +100,12 @@ class Scheduler:
         draft_bytes = 0 if drafts is None else Draft.token_bytes(drafts)
         weights += 0 if draft is None else weights_bytes(draft)
         dims = [(s.k_dim, s.v_dim) for s in full]
+        quant = kv_quant(config, dims)
         self.defaults = backend.step_defaults(config, backend.current(), dims)
         self.chunk_size, self.prefill_budget = self.defaults.chunk, self.defaults.budget
         self.kv_plan = plan_kv(
             config,
-            (bytes_per_token(full) or 1) + draft_bytes,
+            (bytes_per_token(full, quant) or 1) + draft_bytes,
             max_pos,
             weights,
             slot_bytes=_slot_bytes(layout, self.chunk_size, config.context_length or max_pos)
@@ -115,6 +117,16 @@ class Scheduler:
         if kv_agree is not None:
             self.kv_plan = kv_agree(self.kv_plan)
         log.info(self.kv_plan.describe())
+        if quant is not None:
+            plain = bytes_per_token(full)
+            log.info(
+                "KV pages quantized (--kv-bits %s): %d bytes a token instead of %d, %.2fx the "
+                "tokens in the same memory",
+                quant.describe(),
+                bytes_per_token(full, quant),
+                plain,
+                plain / bytes_per_token(full, quant),
+            )
         plan = self.kv_plan
         self.pool = KVPool(
             layout,
@@ -124,6 +136,7 @@ class Scheduler:
             plan.context,
             self.chunk_size,
             capacity=plan.pages,
+            quant=quant,
         )
         self.running = RunningTable(plan.slots)
         exact = self.defaults.exact_shapes
@@ -884,6 +897,17 @@ def _follow_grammar(req: Req, token: int) -> None:
         )
     elif req.matcher.is_stopped():
         req.finish("stop")
+
+
+def kv_quant(config: EngineConfig, dims: list[tuple[int, int]]) -> KVQuant | None:
+    """`--kv-bits`: how full-attention pages are stored (None: the model's dtype); a group size
+    that does not divide a head dim is refused here, naming the ones that would."""
+    if not config.kv_bits:
+        return None
+    quant = KVQuant(config.kv_bits, config.kv_group_size)
+    for dim in sorted({d for pair in dims for d in pair}):
+        quant.check(dim)
+    return quant
 
 
 def _slot_bytes(layout: Layout, chunk: int, context: int | None) -> int:
