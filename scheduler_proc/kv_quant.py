@@ -42,7 +42,7 @@ class KVQuant:
             )
 
     def describe(self) -> str:
-        return f"{self.bits}-bit group {self.group}"
+        return f"{self.bits} bits, groups of {self.group}"
 
 
 class QuantBuffer:
@@ -82,11 +82,33 @@ class QuantBuffer:
         """Gathered parts back to values of the model's dtype."""
         q = self.quant
         codes, scales, biases = parts
+        if _by_ops():
+            return _dequantize_by_ops(codes, scales, biases, q, self.dtype)
         out = mx.dequantize(codes, scales, biases, group_size=q.group, bits=q.bits)
         return out.astype(self.dtype)
 
 
 Buffer = mx.array | QuantBuffer
+
+
+def _by_ops() -> bool:
+    """On the CPU MLX's `dequantize` runs 2-3x slower than the same map by elementwise ops (16
+    rows x 1,024 keys x 3 heads x 64: 4.0 -> 1.3 ms at 8 bits, 5.2 -> 2.6 ms at 4); a GPU
+    has a kernel for it."""
+    return mx.default_device() == mx.cpu
+
+
+def _dequantize_by_ops(
+    codes: mx.array, scales: mx.array, biases: mx.array, q: KVQuant, dtype: mx.Dtype
+) -> mx.array:
+    """`mx.dequantize` for 8 or 4 bits: codes are little-endian in their uint32 words, so as
+    bytes they are in order (4 bits: the low nibble first)."""
+    u = codes.view(mx.uint8)
+    if q.bits == 4:
+        u = mx.stack([u & 15, u >> 4], axis=-1).reshape(*u.shape[:-1], -1)
+    g = u.reshape(*u.shape[:-1], -1, q.group).astype(dtype)
+    out = g * scales[..., None].astype(dtype) + biases[..., None].astype(dtype)
+    return out.reshape(*out.shape[:-2], -1)
 
 
 def parts(buf: Buffer) -> list[mx.array]:

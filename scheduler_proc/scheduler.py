@@ -120,8 +120,8 @@ class Scheduler:
         if quant is not None:
             plain = bytes_per_token(full)
             log.info(
-                "KV pages quantized (--kv-bits %s): %d bytes a token instead of %d, %.2fx the "
-                "tokens in the same memory",
+                "KV pages quantized to %s (--kv-bits): %d bytes a token instead of %d, %.2fx "
+                "the tokens in the same memory",
                 quant.describe(),
                 bytes_per_token(full, quant),
                 plain,

@@ -64,6 +64,20 @@ def test_a_token_costs_what_its_codes_and_scales_hold():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_the_cpus_dequantize_by_ops_is_mlxs(bits, dtype):
+    from scheduler_proc.kv_quant import _dequantize_by_ops
+
+    x = mx.random.normal((2, 3, 5, 64), key=mx.random.key(bits)).astype(dtype)
+    q = KVQuant(bits, 32)
+    codes, scales, biases = mx.quantize(x, group_size=32, bits=bits)
+    want = mx.dequantize(codes, scales, biases, group_size=32, bits=bits)
+    got = _dequantize_by_ops(codes, scales, biases, q, dtype)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=1e-2).item()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_the_pool_holds_the_bytes_the_budget_counts(llama, bits):
     sched = make(llama, kv_bits=bits)
     plain = make(llama)
