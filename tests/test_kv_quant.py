@@ -255,3 +255,37 @@ def test_8_bit_kv_answers_the_default_models_questions_as_plain_kv(default_model
     # the first difference, measured): what is held is the error while they agree
     assert len(errors) >= 16, "4-bit answers left plain KV's at once"
     assert float(np.mean(errors)) < 0.25
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_rings_and_recurrent_state_stay_plain_beside_quantized_pages(family, tmp_path):
+    """A windowed and a hybrid model (heads of 32): their rings and state are not quantized,
+    their full-attention pages are; prefix hits (restoring a slot's snapshot with the pages)
+    and every stream given back mid-decode and recomputed answer as the same quantized engine
+    with no cache, left alone."""
+    from engine.random_model import TINY_FAMILIES
+    from scheduler_proc.kv_quant import QuantBuffer
+
+    model = tiny_model(make_random_model(tmp_path, {**TINY_FAMILIES[family], "head_dim": 32}))
+    rng = random.Random(3)
+    system = random_prompt(rng, 40)
+    prompts = {f"r{i}": system + random_prompt(rng, 5 + 3 * i) for i in range(6)}
+    alone = make(model, kv_bits=8, page_size=4, disable_radix_cache=True)
+    quantized = [isinstance(b, QuantBuffer) for b in alone.pool.keys]
+    assert any(quantized) and (not all(quantized) or alone.pool.states)
+    want = _run(alone, prompts, 24)
+    sched = make(model, kv_bits=8, page_size=4)
+    _run(sched, {"warm": system}, 2)  # NOTE: the system prompt cached, its snapshot taken
+    for rid, p in prompts.items():
+        sched.submit(rid, p, greedy(24))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    steps = 0
+    while sched.has_work():
+        for chunk in sched.step():
+            got[chunk.rid] += chunk.token_ids
+        steps += 1
+        if steps == 12:  # NOTE: mid-decode: every stream gives its pages back, recomputed
+            sched.quiesce()
+            assert sched.retract_running() == 6
+    assert got == want
+    assert sched.prefix is not None and sched.prefix.hit_tokens > 0
