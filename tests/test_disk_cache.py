@@ -362,3 +362,16 @@ def test_the_cache_survives_kill_9_and_a_restart(tiny_model_dir, tmp_path):
         assert _metric(second, "mlx_engine_kv_disk_skipped_files_total") == 0
     finally:
         second.stop()
+
+
+def test_a_windowed_model_runs_without_the_tier_and_says_so(tmp_path, caplog):
+    """Window rings live in a slot, not in pages: the tier is off for such a model (a log line
+    at start), and the engine serves as usual."""
+    from engine.random_model import TINY_FAMILIES
+
+    model = tiny_model(make_random_model(tmp_path / "m", TINY_FAMILIES["gemma3_text"]))
+    with caplog.at_level("WARNING"):
+        sched = _engine(model, tmp_path / "kv")
+    assert sched.kv.disk is None and "--kv-cache-dir: off for this model" in caplog.text
+    prompt = _systems(10, 1, 100)[0]
+    assert tokens(_serve(sched, {"a": prompt})["a"]) == reference_greedy(model, prompt, 6)
