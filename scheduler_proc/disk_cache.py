@@ -36,6 +36,7 @@ SUFFIX = ".kv"
 # NOTE: a temporary file older than this is a writer's that died (kill -9); younger, it may be
 # another engine's on the same folder, still writing.
 STALE_TMP_S = 3600.0
+WRITER_BYTES = 512 << 20  # NOTE: what the writer may hold in memory, waiting for the disk
 
 
 @dataclass(frozen=True)
@@ -118,19 +119,17 @@ class DiskCache:
         self, tokens: Sequence[int], keys: list[bytes], blocks: dict[int, list[np.ndarray]]
     ) -> None:
         """Write `blocks` (block index -> its arrays, in `fmt` order) in the background;
-        dropped (counted) when the writer is behind by more than `max_queued_bytes`."""
+        dropped (counted) when the writer is behind by more than `WRITER_BYTES`."""
         for k, arrays in blocks.items():
             key = keys[k]
             with self._lock:
-                if key in self._pending or self._queued_bytes > self.max_queued_bytes:
+                if key in self._pending or self._queued_bytes > WRITER_BYTES:
                     self.dropped_blocks += key not in self._pending
                     continue
                 self._pending.add(key)
                 self._queued_bytes += self.fmt.nbytes
             header = self._header(tokens, keys, k)
             self._writer.submit(self._write, key, header, arrays)
-
-    max_queued_bytes = 512 << 20  # NOTE: what the writer may hold in memory, waiting for disk
 
     def _header(self, tokens: Sequence[int], keys: list[bytes], k: int) -> dict:
         b = self.block
