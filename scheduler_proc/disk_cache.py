@@ -11,6 +11,13 @@ The scheduler's thread only looks up keys and hands work over; two threads of th
 the I/O: one writes (numpy arrays the scheduler gathered), one loads (a request's blocks, which
 it waits for out of the seating pass). A file that is missing, corrupt, foreign or half-written
 is skipped with a log line, and never read again: a load stops at the first block it cannot use.
+
+Models with window rings or recurrent state (a slot per request) hit only where a snapshot of
+the slot exists (snapshots.py), at any token. Such a snapshot goes to disk as a file of its own,
+`DIR/<identity>/<anchor>+<length>+<key>.kv`: the slot's arrays and the K/V of the tokens after
+the last whole block (the anchor: that block's key, or the root's). Its key chains the anchor
+and those tokens. The index keeps the snapshots by anchor, so a prompt's candidates are found by
+walking its blocks' keys.
 """
 
 from __future__ import annotations
@@ -33,26 +40,51 @@ from scheduler_proc import kv_files
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
+SNAP = "+"  # NOTE: a snapshot's file name: <anchor>+<length>+<key>.kv
 # NOTE: a temporary file older than this is a writer's that died (kill -9); younger, it may be
 # another engine's on the same folder, still writing.
 STALE_TMP_S = 3600.0
 WRITER_BYTES = 512 << 20  # NOTE: what the writer may hold in memory, waiting for the disk
 
 
+Arrays = tuple[tuple[str, tuple[int, ...]], ...]  # NOTE: (dtype, shape) each
+
+
 @dataclass(frozen=True)
 class BlockFormat:
     """What a block file of this engine holds: per full-attention layer K then V, each
-    `(kv_heads, block, dim)` of `dtype` (MLX's name)."""
+    `(kv_heads, block, dim)` of `dtype` (MLX's name); `slots`: a slot's snapshot's arrays (rings,
+    then recurrent state), for models that have them."""
 
     block: int
-    arrays: tuple[tuple[str, tuple[int, ...]], ...]
+    arrays: Arrays
+    slots: Arrays = ()
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(s)) * _itemsize(d) for d, s in self.arrays)
+        return _nbytes(self.arrays)
+
+    def snapshot(self, tail: int) -> Arrays:
+        """A snapshot file's arrays: the K/V of `tail` tokens (fewer than a block), the slot's."""
+        return tuple((d, (s[0], tail, *s[2:])) for d, s in self.arrays) + self.slots
+
+    def snapshot_nbytes(self, tail: int) -> int:
+        return _nbytes(self.snapshot(tail))
 
     def describe(self) -> str:
-        return f"v1 block={self.block} " + ";".join(f"{d}{list(s)}" for d, s in self.arrays)
+        text = f"v1 block={self.block} " + ";".join(f"{d}{list(s)}" for d, s in self.arrays)
+        if self.slots:
+            text += " slots " + ";".join(f"{d}{list(s)}" for d, s in self.slots)
+        return text
+
+
+@dataclass(eq=False)
+class Loaded:
+    """What a load read: whole blocks in order, and the snapshot after them when one was asked
+    for and every block came."""
+
+    blocks: list[list[np.ndarray]]
+    snapshot: list[np.ndarray] | None = None
 
 
 class DiskCache:
@@ -65,6 +97,8 @@ class DiskCache:
         self._lru: OrderedDict[Path, int] = OrderedDict()
         self.bytes = 0
         self._pending: set[bytes] = set()  # keys handed to the writer, not yet on disk
+        # NOTE: snapshot files by their anchor (the key of the last whole block before them)
+        self._snaps: dict[bytes, set[tuple[int, bytes]]] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-load")
         self.written_bytes = self.read_bytes = self.hit_tokens = 0
@@ -91,8 +125,35 @@ class DiskCache:
             out.append(key)
         return out
 
+    def anchor(self, keys: list[bytes], length: int) -> bytes:
+        """The key a snapshot at `length` tokens hangs from: its last whole block's, or the
+        root's (`keys`: at least its whole blocks')."""
+        n = length // self.block
+        return keys[n - 1] if n else self._root_key
+
+    def snapshot_key(self, tokens: Sequence[int], length: int, anchor: bytes) -> bytes:
+        """The key of a snapshot of `tokens[:length]`: the anchor and the tokens after it."""
+        tail = tokens[length // self.block * self.block : length]
+        chunk = np.asarray(tail, dtype="<i4").tobytes()
+        return hashlib.blake2b(anchor + b"snapshot" + chunk, digest_size=16).digest()
+
+    def snapshots(self, anchor: bytes) -> list[tuple[int, bytes]]:
+        """The snapshots on disk hanging from `anchor`: (length, key) each."""
+        with self._lock:
+            return sorted(self._snaps.get(anchor, ()), reverse=True)
+
     def _path(self, key: bytes) -> Path:
         return self.folder / (key.hex() + SUFFIX)
+
+    def _snap_path(self, anchor: bytes, length: int, key: bytes) -> Path:
+        return self.folder / f"{anchor.hex()}{SNAP}{length}{SNAP}{key.hex()}{SUFFIX}"
+
+    def wants_snapshot(self, anchor: bytes, length: int, key: bytes) -> bool:
+        """Neither on disk nor being written."""
+        with self._lock:
+            return (
+                self._snap_path(anchor, length, key) not in self._lru and key not in self._pending
+            )
 
     def has(self, key: bytes) -> bool:
         return self._path(key) in self._lru
@@ -129,7 +190,36 @@ class DiskCache:
                 self._pending.add(key)
                 self._queued_bytes += self.fmt.nbytes
             header = self._header(tokens, keys, k)
-            self._writer.submit(self._write, key, header, arrays)
+            self._writer.submit(self._write, key, header, arrays, self._path(key), self.fmt.nbytes)
+
+    def store_snapshot(
+        self, tokens: Sequence[int], length: int, anchor: bytes, arrays: list[np.ndarray]
+    ) -> None:
+        """Write the snapshot of `tokens[:length]` (`arrays`: its tail's K/V, then the slot's)
+        in the background; dropped (counted) when the writer is behind."""
+        key = self.snapshot_key(tokens, length, anchor)
+        size = self.fmt.snapshot_nbytes(length % self.block)
+        with self._lock:
+            if key in self._pending or self._queued_bytes > WRITER_BYTES:
+                self.dropped_blocks += key not in self._pending
+                return
+            self._pending.add(key)
+            self._queued_bytes += size
+        header = self._snap_header(tokens, length, anchor, key)
+        path = self._snap_path(anchor, length, key)
+        self._writer.submit(self._write, key, header, arrays, path, size)
+
+    def _snap_header(self, tokens: Sequence[int], length: int, anchor: bytes, key: bytes) -> dict:
+        start = length // self.block * self.block
+        return {
+            "identity": self.identity,
+            "format": self.fmt.describe(),
+            "key": key.hex(),
+            "parent": anchor.hex(),
+            "start": start,
+            "tokens": [int(t) for t in tokens[start:length]],
+            "arrays": [[d, list(s)] for d, s in self.fmt.snapshot(length - start)],
+        }
 
     def _header(self, tokens: Sequence[int], keys: list[bytes], k: int) -> dict:
         b = self.block
@@ -144,17 +234,18 @@ class DiskCache:
             "arrays": [[d, list(s)] for d, s in self.fmt.arrays],
         }
 
-    def _write(self, key: bytes, header: dict, arrays: list[np.ndarray]) -> None:
-        path = self._path(key)
+    def _write(
+        self, key: bytes, header: dict, arrays: list[np.ndarray], path: Path, queued: int
+    ) -> None:
         try:
-            size = kv_files.dump(path, header, arrays, [d for d, _ in self.fmt.arrays])
+            size = kv_files.dump(path, header, arrays, [d for d, _ in header["arrays"]])
         except Exception as e:  # NOTE: a full disk or a bad folder costs the block, not the engine
             log.warning("KV disk cache: could not write %s: %s", path.name, e)
             return
         finally:
             with self._lock:
                 self._pending.discard(key)
-                self._queued_bytes -= self.fmt.nbytes
+                self._queued_bytes -= queued
         with self._lock:
             self.written_bytes += size
             self._add(path, size)
@@ -162,30 +253,45 @@ class DiskCache:
 
     # -- loads -----------------------------------------------------------------------------------
     def load(
-        self, tokens: Sequence[int], keys: list[bytes], first: int, n: int
-    ) -> Future[list[list[np.ndarray]]]:
+        self, tokens: Sequence[int], keys: list[bytes], first: int, n: int, snapshot: int = 0
+    ) -> Future[Loaded]:
         """Read blocks `first .. first + n - 1` in the background: the arrays of those that are
-        whole and what was asked, in order, up to the first that is not."""
-        return self._loader.submit(self._load, list(tokens), keys, first, n)
+        whole and what was asked, in order, up to the first that is not; then, when every one
+        came, the snapshot of `tokens[:snapshot]` (0: none asked)."""
+        return self._loader.submit(self._load, list(tokens), keys, first, n, snapshot)
 
     def _load(
-        self, tokens: list[int], keys: list[bytes], first: int, n: int
-    ) -> list[list[np.ndarray]]:
-        out = []
+        self, tokens: list[int], keys: list[bytes], first: int, n: int, snapshot: int
+    ) -> Loaded:
+        out = Loaded([])
         for k in range(first, first + n):
-            path, header = self._path(keys[k]), self._header(tokens, keys, k)
-            try:
-                arrays = kv_files.load(path, header, self.fmt.nbytes + kv_files.MAX_HEADER)
-            except (OSError, kv_files.KVFileError) as e:
-                self._skip(path, e)
-                break
-            out.append(arrays)
-            with self._lock:
-                self.read_bytes += self.fmt.nbytes
-                if path in self._lru:
-                    self._lru.move_to_end(path)
-            _touch(path)  # NOTE: its age on disk orders the LRU after a restart
+            header = self._header(tokens, keys, k)
+            arrays = self._read(self._path(keys[k]), header, self.fmt.nbytes)
+            if arrays is None:
+                return out
+            out.blocks.append(arrays)
+        if snapshot:
+            anchor = self.anchor(keys, snapshot)
+            key = self.snapshot_key(tokens, snapshot, anchor)
+            header = self._snap_header(tokens, snapshot, anchor, key)
+            size = self.fmt.snapshot_nbytes(snapshot % self.block)
+            out.snapshot = self._read(self._snap_path(anchor, snapshot, key), header, size)
         return out
+
+    def _read(self, path: Path, header: dict, size: int) -> list[np.ndarray] | None:
+        """The arrays of the file at `path`, checked against `header`; None (skipped) when it
+        is not that, whole."""
+        try:
+            arrays = kv_files.load(path, header, size + kv_files.MAX_HEADER)
+        except (OSError, kv_files.KVFileError) as e:
+            self._skip(path, e)
+            return None
+        with self._lock:
+            self.read_bytes += size
+            if path in self._lru:
+                self._lru.move_to_end(path)
+        _touch(path)  # NOTE: its age on disk orders the LRU after a restart
+        return arrays
 
     def _skip(self, path: Path, e: Exception) -> None:
         log.warning("KV disk cache: skipped %s: %s", path.name, e)
@@ -225,17 +331,30 @@ class DiskCache:
         self._drop(path)
         self._lru[path] = size
         self.bytes += size
+        snap = _snapshot_name(path)
+        if snap is not None:
+            anchor, entry = snap
+            self._snaps.setdefault(anchor, set()).add(entry)
 
     def _drop(self, path: Path) -> None:
-        self.bytes -= self._lru.pop(path, 0)
+        if path not in self._lru:
+            return
+        self.bytes -= self._lru.pop(path)
+        snap = _snapshot_name(path)
+        if snap is not None:
+            anchor, entry = snap
+            held = self._snaps.get(anchor, set())
+            held.discard(entry)
+            if not held:
+                self._snaps.pop(anchor, None)
 
     def _evict(self) -> None:
         while True:
             with self._lock:
                 if self.bytes <= self.capacity or not self._lru:
                     return
-                path, size = self._lru.popitem(last=False)
-                self.bytes -= size
+                path = next(iter(self._lru))
+                self._drop(path)
                 self.evicted_files += 1
             path.unlink(missing_ok=True)
 
@@ -267,6 +386,21 @@ class DiskCache:
             "kv_disk_skipped_files": self.skipped_files,
             "kv_disk_dropped_blocks": self.dropped_blocks,
         }
+
+
+def _snapshot_name(path: Path) -> tuple[bytes, tuple[int, bytes]] | None:
+    """A snapshot file's anchor, length and key, from its name (None: a block's, or not ours)."""
+    parts = path.name.removesuffix(SUFFIX).split(SNAP)
+    if len(parts) != 3:
+        return None
+    try:
+        return bytes.fromhex(parts[0]), (int(parts[1]), bytes.fromhex(parts[2]))
+    except ValueError:
+        return None
+
+
+def _nbytes(arrays: Arrays) -> int:
+    return sum(int(np.prod(s)) * _itemsize(d) for d, s in arrays)
 
 
 def _touch(path: Path) -> None:

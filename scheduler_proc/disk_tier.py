@@ -11,6 +11,12 @@
   waits out of the seating pass (like a grammar being built) while the loader thread reads them;
   then, with no step in flight, they are written into fresh pages and inserted into the tree, and
   the request is seated as usual: the blocks are a plain prefix hit (its `cached_tokens`).
+- **Snapshots** (models with window rings or recurrent state, whose hits end only where a
+  snapshot of the slot exists): every snapshot the memory tier takes goes out with the blocks
+  before it and the K/V of the tokens after the last whole one; a prompt loads the longest one
+  its tokens reach, with those blocks, and is then a plain hit there. Blocks alone are of no use
+  to such a model and are not written. A load is what the snapshot needs, not cut at
+  `LOAD_BYTES`: part of it would be no hit at all.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from scheduler_proc.disk_cache import BlockFormat, DiskCache
+from scheduler_proc.disk_cache import BlockFormat, DiskCache, Loaded
 from scheduler_proc.kv_cache import KVPool, token_slots
 from scheduler_proc.pages import PageAllocator
 from scheduler_proc.prefix_cache import PrefixCache
-from scheduler_proc.radix_cache import Node
+from scheduler_proc.radix_cache import Match, Node
 from scheduler_proc.request import Req
+from scheduler_proc.snapshots import SlotSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +53,30 @@ class _Write:
     keys: list[bytes]
     blocks: list[int]
     node: Node  # its path locked in the tree until gathered
+    snapshot: list[mx.array] | None = None  # the slot holding exactly `tokens`, to write too
 
 
 @dataclass(eq=False)
 class DiskLoad:
-    """A request's blocks `first .. first + n - 1` being read (`Req.disk`)."""
+    """A request's blocks `first .. first + n - 1` being read (`Req.disk`), then the snapshot
+    at `snapshot` tokens (0: none)."""
 
     keys: list[bytes]
     first: int
     n: int
-    future: Future[list[list[np.ndarray]]]
+    future: Future[Loaded]
+    snapshot: int = 0
 
 
 def block_format(pool: KVPool, block_tokens: int) -> BlockFormat:
     """What a block of `pool`'s full-attention KV holds: its arrays as stored (K then V per
-    layer; quantized, each one's codes, scales and biases)."""
+    layer; quantized, each one's codes, scales and biases); and a slot's snapshot's arrays."""
     arrays = []
     for a in pool.paged_arrays():
         h, _, d = a.shape
         arrays.append((_dtype_name(a.dtype), (h, block_tokens, d)))
-    return BlockFormat(block_tokens, tuple(arrays))
+    slots = tuple((_dtype_name(a.dtype), (1, *a.shape[1:])) for a in pool.slot_arrays())
+    return BlockFormat(block_tokens, tuple(arrays), slots)
 
 
 class DiskTier:
@@ -76,37 +87,52 @@ class DiskTier:
         prefix: PrefixCache,
         pages: PageAllocator,
         room: Callable[[int], bool],
+        snapshots: SlotSnapshots | None = None,
     ) -> None:
         """`room(n)`: whether `n` pages are free, the pool grown or the cache evicted for them
-        (`KVManager.room`)."""
+        (`KVManager.room`); `snapshots`: the slots' snapshots, for models that have them."""
         self.cache, self.pool, self.prefix, self.pages = cache, pool, prefix, pages
-        self.room = room
+        self.room, self.snapshots = room, snapshots
         self.block = cache.block
         self._writes: list[_Write] = []
         self._load_blocks = max(1, LOAD_BYTES // cache.fmt.nbytes)
 
     # -- out ---------------------------------------------------------------------------------------
-    def retired(self, tokens: list[int]) -> None:
-        """`tokens` were just cached (a request retired): queue their blocks not on disk."""
+    def retired(self, tokens: list[int], snapshot: list[mx.array] | None = None) -> None:
+        """`tokens` were just cached (a request retired, or published its prompt): queue their
+        blocks not on disk; with slots, only behind a snapshot of the slot at `tokens`."""
         n = len(tokens) // self.block
-        if n == 0:
+        if self.snapshots is None:
+            tokens = tokens[: n * self.block]
+        elif snapshot is None:
             return
         keys = self.cache.keys(tokens, n)
         queued = {k for w in self._writes for k in (w.keys[b] for b in w.blocks)}
         blocks = [b for b in self.cache.wanted(keys) if keys[b] not in queued]
-        if not blocks:
+        if snapshot is not None:
+            anchor = self.cache.anchor(keys, len(tokens))
+            key = self.cache.snapshot_key(tokens, len(tokens), anchor)
+            if not self.cache.wants_snapshot(anchor, len(tokens), key):
+                snapshot = None
+        if not blocks and snapshot is None:
             return
-        tokens = tokens[: n * self.block]
-        node = self.prefix.tree.match_prefix(tokens).node
-        self.prefix.tree.lock(node)
-        self._writes.append(_Write(tokens, keys, blocks, node))
-        while self._queued_blocks() * self.cache.fmt.nbytes > QUEUED_BYTES:
+        m = self.prefix.tree.match_prefix(tokens)
+        if m.length < len(tokens):
+            return  # NOTE: a snapshot's shared prefix, evicted since (no request locks it)
+        self.prefix.tree.lock(m.node)
+        self._writes.append(_Write(tokens, keys, blocks, m.node, snapshot))
+        while self._queued_bytes() > QUEUED_BYTES:
             dropped = self._writes.pop(0)
             self.prefix.tree.unlock(dropped.node)
-            self.cache.dropped_blocks += len(dropped.blocks)
+            self.cache.dropped_blocks += len(dropped.blocks) + (dropped.snapshot is not None)
 
-    def _queued_blocks(self) -> int:
-        return sum(len(w.blocks) for w in self._writes)
+    def _queued_bytes(self) -> int:
+        return sum(self._bytes(w) for w in self._writes)
+
+    def _bytes(self, job: _Write) -> int:
+        fmt = self.cache.fmt
+        snap = fmt.snapshot_nbytes(len(job.tokens) % self.block) if job.snapshot else 0
+        return len(job.blocks) * fmt.nbytes + snap
 
     def flush(self) -> None:
         """Gather queued blocks (up to `FLUSH_BYTES`) and hand them to the writer; only while no
@@ -116,7 +142,7 @@ class DiskTier:
         while self._writes and (not take or size < FLUSH_BYTES):
             job = self._writes.pop(0)
             take.append(job)
-            size += len(job.blocks) * self.cache.fmt.nbytes
+            size += self._bytes(job)
         if not take:
             return
         slots: list[int] = []
@@ -126,7 +152,9 @@ class DiskTier:
             assert m.length == len(job.tokens), "a queued block left the tree while locked"
             for k in job.blocks:
                 slots += m.slots[k * b : (k + 1) * b]
-        arrays = [_host(a) for a in self.pool.read_tokens(slots)]
+            if job.snapshot is not None:  # NOTE: the tokens after the last whole block
+                slots += m.slots[len(job.tokens) // b * b :]
+        arrays = [_host(a) for a in self.pool.read_tokens(slots)] if slots else []
         at = 0
         for job in take:
             self.prefix.tree.unlock(job.node)
@@ -135,6 +163,13 @@ class DiskTier:
                 blocks[k] = [a[:, at : at + b] for a in arrays]
                 at += b
             self.cache.store(job.tokens, job.keys, blocks)
+            if job.snapshot is not None:
+                tail = len(job.tokens) % b
+                kv = [a[:, at : at + tail] for a in arrays]
+                at += tail
+                anchor = self.cache.anchor(job.keys, len(job.tokens))
+                state = [_host(a) for a in job.snapshot]
+                self.cache.store_snapshot(job.tokens, len(job.tokens), anchor, kv + state)
 
     def drop_queued(self) -> None:
         """Queued blocks forgotten (the model changes: their KV is the old model's)."""
@@ -161,10 +196,12 @@ class DiskTier:
         req.disk_checked = True
         limit = req.fill_len - 1  # NOTE: the last prompt token is computed, for its logits
         n = limit // self.block
-        if n == 0:
+        if n == 0 and self.snapshots is None:
             return False
         keys = self.cache.keys(req.fill_ids, n)
         cached = self.prefix.tree.match_prefix(req.fill_ids[:limit]).length
+        if self.snapshots is not None:
+            return self._start_snapshot(req, keys, limit, cached)
         first = cached // self.block
         count = min(self.cache.present(keys, first), self._load_blocks)
         if count == 0:
@@ -173,14 +210,41 @@ class DiskTier:
         req.disk = DiskLoad(keys, first, count, future)
         return True
 
+    def _start_snapshot(self, req: Req, keys: list[bytes], limit: int, cached: int) -> bool:
+        """With slots: load the longest snapshot on disk past the hit memory holds (its
+        longest snapshot within the cached prefix), with the blocks before it not cached."""
+        assert self.snapshots is not None
+        tokens, b = req.fill_ids, self.block
+        hit = self.snapshots.longest(tokens, cached)
+        for k in range(len(keys), -1, -1):
+            if (k + 1) * b <= hit:
+                return False  # NOTE: every snapshot from here on is within the hit
+            anchor = keys[k - 1] if k else self.cache.anchor(keys, 0)
+            for length, key in self.cache.snapshots(anchor):
+                if not hit < length <= limit or key != self.cache.snapshot_key(
+                    tokens, length, anchor
+                ):
+                    continue
+                first = min(cached, length) // b
+                if self.cache.present(keys, first) < k - first:
+                    continue  # NOTE: a block before it is neither cached nor on disk
+                future = self.cache.load(tokens, keys, first, k - first, length)
+                req.disk = DiskLoad(keys, first, k - first, future, length)
+                return True
+        return False
+
     def _promote(self, tokens: list[int], load: DiskLoad) -> bool:
         """Write the loaded blocks into fresh pages and cache them; returns whether every block
         asked for came (a short load ends at a block that could not be used)."""
         try:
-            blocks = load.future.result()
+            loaded = load.future.result()
         except Exception:  # NOTE: the loader's failure is this load's, logged, not the engine's
             log.exception("KV disk cache: a load failed")
             return True
+        if load.snapshot:
+            self._promote_snapshot(tokens, load, loaded)
+            return True
+        blocks = loaded.blocks
         b, tree = self.block, self.prefix.tree
         end = load.first + len(blocks)
         m = tree.match_prefix(tokens[: end * b])
@@ -189,31 +253,56 @@ class DiskTier:
         start = max(load.first, m.length // b)
         if m.length < load.first * b or end * b <= m.length:
             return len(blocks) == load.n
-        tree.lock(m.node)  # NOTE: making room may evict; not the prefix the blocks follow
-        try:
-            self._write(tokens, m.slots[: start * b], blocks[start - load.first :], start, end)
-        finally:
-            tree.unlock(m.node)
-        self.cache.hit_tokens += end * b - m.length
+        if self._write(tokens[: end * b], m, blocks[start - load.first :], start):
+            self.cache.hit_tokens += end * b - m.length
         return len(blocks) == load.n
 
-    def _write(
-        self, tokens: list[int], before: list[int], blocks: list, start: int, end: int
-    ) -> None:
-        b, p = self.block, self.pool.page_size
-        n = (end - start) * b
-        if not self.room(n // p):
-            self.cache.dropped_blocks += end - start
-            return
-        new = self.pages.alloc(n // p)
-        slots = token_slots(new, 0, n, p).tolist()
-        parts = zip(*blocks, strict=True)  # NOTE: per array (layer's K or V), every block's
-        self.pool.write_tokens(slots, [_device(np.concatenate(a, axis=1)) for a in parts])
-        self.prefix.insert(tokens[: end * b], before + slots)
-        self.pages.release(new)  # NOTE: the tree holds what it took; the rest is free again
+    def _promote_snapshot(self, tokens: list[int], load: DiskLoad, loaded: Loaded) -> None:
+        """Write the loaded blocks and the snapshot's tail into fresh pages, cache them and keep
+        the slot's snapshot: a hit of `load.snapshot` tokens from here on."""
+        assert self.snapshots is not None
+        b, length = self.block, load.snapshot
+        if len(loaded.blocks) < load.n or loaded.snapshot is None:
+            return  # NOTE: a file skipped: no hit without every part
+        m = self.prefix.tree.match_prefix(tokens[:length])
+        if m.length < load.first * b:
+            return  # NOTE: evicted while they loaded: the blocks follow nothing cached
+        cut = len(self.cache.fmt.arrays)
+        kv, state = loaded.snapshot[:cut], loaded.snapshot[cut:]
+        start = max(load.first, m.length // b)
+        if m.length < length:
+            if not self._write(
+                tokens[:length], m, [*loaded.blocks, kv][start - load.first :], start
+            ):
+                return
+            self.cache.hit_tokens += length - m.length
+        self.snapshots.put(tokens[:length], [_device(a) for a in state])
+
+    def _write(self, tokens: list[int], m: Match, parts: list, start: int) -> bool:
+        """Write `parts` (blocks from `start`, the last one maybe a tail: fewer tokens) into
+        fresh pages and cache `tokens` there after the cached prefix `m`; False when no page
+        is free for them (counted as dropped)."""
+        b, p, tree = self.block, self.pool.page_size, self.prefix.tree
+        n = len(tokens) - start * b
+        tree.lock(m.node)  # NOTE: making room may evict; not the prefix the blocks follow
+        try:
+            if not self.room(-(-n // p)):
+                self.cache.dropped_blocks += len(parts)
+                return False
+            new = self.pages.alloc(-(-n // p))
+            slots = token_slots(new, 0, n, p).tolist()
+            # NOTE: per array (a layer's K or V), every part's tokens
+            arrays = [np.concatenate(a, axis=1) for a in zip(*parts, strict=True)]
+            self.pool.write_tokens(slots, [_device(a) for a in arrays])
+            self.prefix.insert(tokens, m.slots[: start * b] + slots)
+            self.pages.release(new)  # NOTE: the tree holds what it took; the rest is free again
+        finally:
+            tree.unlock(m.node)
+        return True
 
     def stats(self) -> dict[str, int]:
-        return {**self.cache.stats(), "kv_disk_queued_blocks": self._queued_blocks()}
+        queued = sum(len(w.blocks) + (w.snapshot is not None) for w in self._writes)
+        return {**self.cache.stats(), "kv_disk_queued_blocks": queued}
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

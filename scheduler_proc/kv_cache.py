@@ -698,17 +698,17 @@ class KVPool:
             for a in layer:
                 a[slot : slot + 1] = 0
 
-    def _slotted(self) -> list[mx.array]:
+    def slot_arrays(self) -> list[mx.array]:
         """The per-slot buffers, in `read_slot`'s order: the rings' K, their V, then state."""
         bufs = zip(self.keys + self.values, self.rings * 2, strict=True)
         return [_plain(b) for b, r in bufs if r] + [a for st in self.states for a in st]
 
     def read_slot(self, slot: int) -> list[mx.array]:
         """A slot's rings and recurrent state (copies), in a fixed order `write_slot` takes."""
-        return [mx.contiguous(a[slot : slot + 1]) for a in self._slotted()]
+        return [mx.contiguous(a[slot : slot + 1]) for a in self.slot_arrays()]
 
     def write_slot(self, slot: int, arrays: list[mx.array]) -> None:
-        for buf, a in zip(self._slotted(), arrays, strict=True):
+        for buf, a in zip(self.slot_arrays(), arrays, strict=True):
             buf[slot : slot + 1] = a
 
     def copy_tokens(self, src: list[int], dst: list[int]) -> None:

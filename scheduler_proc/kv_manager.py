@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import mlx.core as mx
 import numpy as np
 
 from scheduler_proc.disk_cache import DiskCache
@@ -49,9 +50,9 @@ class KVManager:
         self._copies: tuple[list[int], list[int]] | None = None
 
     def attach_disk(self, cache: DiskCache) -> None:
-        """The prefix cache's disk tier (`--kv-cache-dir`): models whose KV is pages alone."""
-        assert self.prefix is not None and self.snapshots is None, "full attention, cached"
-        self.disk = DiskTier(cache, self.pool, self.prefix, self.pages, self.room)
+        """The prefix cache's disk tier (`--kv-cache-dir`); with slots, snapshots go too."""
+        assert self.prefix is not None, "a disk tier under the prefix cache"
+        self.disk = DiskTier(cache, self.pool, self.prefix, self.pages, self.room, self.snapshots)
 
     @contextlib.contextmanager
     def one_pass(self) -> Iterator[None]:
@@ -121,7 +122,8 @@ class KVManager:
     def snapshot_at(self, req: Req) -> None:
         """The request's slot holds exactly its first `snap_at` fill tokens: keep a copy."""
         if req.snap_at is not None:
-            self._snapshot(req, req.fill_ids[: req.snap_at])
+            tokens = req.fill_ids[: req.snap_at]
+            self._to_disk(tokens, self._snapshot(req, tokens))
         req.snap_at = None
 
     def _boundary(self, req: Req):
@@ -188,22 +190,30 @@ class KVManager:
         if self.prefix is not None:
             keep = req.finish_reason != "error" and req.kv_len > 0
             tokens = (req.input_ids + req.output_ids)[: req.kv_len]
-            if keep:
-                self._snapshot(req, tokens)
+            snapshot = self._snapshot(req, tokens) if keep else None
             self.prefix.retire(req, self.slots(req, req.kv_len) if keep else None)
-            if keep and self.disk is not None:
-                self.disk.retired(tokens)
+            if keep:
+                self._to_disk(tokens, snapshot)
         self.pages.release(req.pages)
         req.pages = []
 
     def publish(self, req: Req) -> None:
         if self.prefix is not None:
             self.prefix.publish(req, self.slots(req, req.fill_len - 1))
-            self._snapshot(req, req.fill_ids[: req.fill_len - 1])
+            tokens = req.fill_ids[: req.fill_len - 1]
+            snapshot = self._snapshot(req, tokens)
+            if snapshot is not None:  # NOTE: pages alone: a finished request writes its blocks
+                self._to_disk(tokens, snapshot)
 
-    def _snapshot(self, req: Req, tokens: list[int]) -> None:
+    def _snapshot(self, req: Req, tokens: list[int]) -> list[mx.array] | None:
         if self.snapshots is not None and req.slot is not None:
-            self.snapshots.take(req.slot, tokens)
+            return self.snapshots.take(req.slot, tokens)
+        return None
+
+    def _to_disk(self, tokens: list[int], snapshot: list[mx.array] | None) -> None:
+        """Cached `tokens` (and the slot's `snapshot` at them) to the disk tier, if any."""
+        if self.disk is not None:
+            self.disk.retired(tokens, snapshot)
 
     def flush(self, disk: bool = True) -> int:
         """The prefix cache emptied of what no running request holds, snapshots with it, and

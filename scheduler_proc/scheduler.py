@@ -155,7 +155,7 @@ class Scheduler:
         self.kv = KVManager(self.pool, prefix, snapshots=plan.slots, align=align)
         self.prefix = self.kv.prefix  # NOTE: None when the cache is off
         if config.kv_cache_dir:
-            self._attach_disk(config, model, layout)
+            self._attach_disk(config, model)
         heads = int(getattr(getattr(model, "args", None), "num_attention_heads", 0) or 32)
         self.planner = PrefillPlanner(
             self.chunk_size,
@@ -214,17 +214,14 @@ class Scheduler:
         peak = mx.get_peak_memory() - held
         self.limits = memory_limits.apply(plan, weights, peak)
 
-    def _attach_disk(self, config: EngineConfig, model: nn.Module, layout: Layout) -> None:
-        """`--kv-cache-dir`: the prefix cache's disk tier, for models whose KV is pages alone
-        (a window ring or a recurrent state would need its snapshot on disk too)."""
-        if layout.states or any(s.window is not None for s in layout.kv):
-            log.warning(
-                "--kv-cache-dir: off for this model: its KV is not full attention alone (window "
-                "rings or recurrent state), which the disk tier does not hold yet"
-            )
-            return
+    def _attach_disk(self, config: EngineConfig, model: nn.Module) -> None:
+        """`--kv-cache-dir`: the prefix cache's disk tier (blocks of pages; with window rings
+        or recurrent state, the slots' snapshots beside them)."""
         block = -(-DISK_BLOCK_TOKENS // self.pool.page_size) * self.pool.page_size
         fmt = block_format(self.pool, block)
+        if not fmt.arrays:
+            log.warning("--kv-cache-dir: off for this model: it has no full-attention layer")
+            return
         capacity = int(config.kv_cache_disk_gb * 2**30)
         folder = Path(config.kv_cache_dir or "").expanduser()
         cache = DiskCache(folder, capacity, fmt, fingerprint(model))

@@ -29,19 +29,26 @@ class SlotSnapshots:
     def __len__(self) -> int:
         return len(self._store)
 
-    def take(self, slot: int, tokens: list[int]) -> None:
-        """Copy the slot, which holds exactly `tokens`; queued, not waited for."""
+    def take(self, slot: int, tokens: list[int]) -> list[mx.array] | None:
+        """Copy the slot, which holds exactly `tokens`; queued, not waited for. Returns the
+        copy (None: none is kept), which the disk tier writes beside the KV before it."""
         if not tokens or self.capacity <= 0:
-            return
+            return None
         key = _key(tokens)
         if key in self._store:
             self._store.move_to_end(key)
-            return
+            return self._store[key][1]
         arrays = self.pool.read_slot(slot)
         # NOTE: queued now, so no pending read keeps a buffer from being written in place.
         mx.async_eval(arrays)
-        self._store[key] = (tuple(tokens), arrays)
+        self.put(tokens, arrays)
         self.taken += 1
+        return arrays
+
+    def put(self, tokens: list[int], arrays: list[mx.array]) -> None:
+        """Keep `arrays` as the snapshot of `tokens` (taken here, or read from disk)."""
+        self._store[_key(tokens)] = (tuple(tokens), arrays)
+        self._store.move_to_end(_key(tokens))
         while len(self._store) > self.capacity:
             self._store.popitem(last=False)
 
@@ -52,6 +59,11 @@ class SlotSnapshots:
             if entry is not None and entry[0] == tuple(tokens[:n]):
                 return n
         return 0
+
+    def get(self, tokens: list[int]) -> list[mx.array] | None:
+        """The snapshot of exactly `tokens` (None: none kept)."""
+        entry = self._store.get(_key(tokens))
+        return entry[1] if entry is not None and entry[0] == tuple(tokens) else None
 
     def clear(self) -> None:
         self._store.clear()

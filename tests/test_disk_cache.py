@@ -276,10 +276,44 @@ def test_the_folder_keeps_its_budget_least_recently_used_first(tmp_path):
     assert cache.stats()["kv_disk_files"] == 3 and cache.bytes <= cache.capacity
     assert cache.evicted_files == 2
     assert [cache.has(key) for key in keys[:5]] == [False, False, True, True, True]
-    assert len(cache.load(tokens, keys, 2, 1).result()) == 1  # NOTE: read: now the newest
+    assert len(cache.load(tokens, keys, 2, 1).result().blocks) == 1  # NOTE: now the newest
     cache.close()
     later = DiskCache(tmp_path / "c", 2 * size + 10, FMT, "m")  # NOTE: restarted, less room
     assert [later.has(key) for key in keys[:5]] == [False, False, True, False, True]
+    later.close()
+
+
+def test_a_snapshot_file_is_found_by_its_anchor_after_a_restart_and_read_back(tmp_path):
+    """A slot's snapshot (its tail's K/V and the slot's arrays) hangs from the key of the last
+    whole block before it: indexed there when written and when the folder is scanned at start,
+    read back exactly, and gone from the index with its file."""
+    fmt = BlockFormat(4, FMT.arrays, (("float32", (1, 5)),))
+    tokens = list(range(10, 50))
+    r = np.random.default_rng(0)
+    arrays = [
+        r.integers(0, 2**16, (2, 2, 3), dtype=np.uint16),
+        r.random((2, 2, 3), np.float32),
+        r.random((1, 5), np.float32),
+    ]
+    cache = DiskCache(tmp_path, 1 << 20, fmt, "m")
+    keys = cache.keys(tokens, 2)
+    anchor = cache.anchor(keys, 10)  # NOTE: 10 tokens: two whole blocks of 4, a tail of 2
+    assert anchor == keys[1]
+    cache.store_snapshot(tokens, 10, anchor, arrays)
+    cache.close()
+    later = DiskCache(tmp_path, 1 << 20, fmt, "m")
+    key = later.snapshot_key(tokens, 10, anchor)
+    assert later.snapshots(anchor) == [(10, key)]
+    assert later.snapshots(later.anchor(keys, 3)) == [], "another anchor holds nothing"
+    loaded = later.load(tokens, keys, 0, 2, snapshot=10).result()
+    assert loaded.blocks == [] and loaded.snapshot is None, "no block: the snapshot is not read"
+    later.store(tokens, keys, {0: _arrays(0), 1: _arrays(1)})
+    later._writer.submit(lambda: None).result()
+    loaded = later.load(tokens, keys, 0, 2, snapshot=10).result()
+    assert loaded.snapshot is not None
+    for a, b in zip(arrays, loaded.snapshot, strict=True):
+        assert np.array_equal(a, b)
+    assert later.clear() == 3 and later.snapshots(anchor) == []
     later.close()
 
 
@@ -364,14 +398,73 @@ def test_the_cache_survives_kill_9_and_a_restart(tiny_model_dir, tmp_path):
         second.stop()
 
 
-def test_a_windowed_model_runs_without_the_tier_and_says_so(tmp_path, caplog):
-    """Window rings live in a slot, not in pages: the tier is off for such a model (a log line
-    at start), and the engine serves as usual."""
+@pytest.fixture(scope="module", params=["gemma3_text", "qwen3_next"])
+def slotted(request, tmp_path_factory):
+    """A windowed model (rings of 16 tokens beside full layers) and a hybrid one (recurrent
+    state beside full layers): a hit needs the slot's snapshot, not pages alone."""
     from engine.random_model import TINY_FAMILIES
 
-    model = tiny_model(make_random_model(tmp_path / "m", TINY_FAMILIES["gemma3_text"]))
-    with caplog.at_level("WARNING"):
-        sched = _engine(model, tmp_path / "kv")
-    assert sched.kv.disk is None and "--kv-cache-dir: off for this model" in caplog.text
-    prompt = _systems(10, 1, 100)[0]
-    assert tokens(_serve(sched, {"a": prompt})["a"]) == reference_greedy(model, prompt, 6)
+    folder = tmp_path_factory.mktemp(request.param)
+    return tiny_model(make_random_model(folder, TINY_FAMILIES[request.param]))
+
+
+def _snapshot(sched: Scheduler, prefix: list[int]) -> list[np.ndarray]:
+    """The slot's snapshot at `prefix` the engine keeps in memory."""
+    assert sched.kv.snapshots is not None
+    arrays = sched.kv.snapshots.get(prefix)
+    assert arrays is not None, "no snapshot"
+    return [np.array(a.astype(mx.float32)) for a in arrays]
+
+
+def test_a_restart_reads_a_slots_snapshot_with_the_blocks_before_it(slotted, tmp_path):
+    """An agent's turn served, the engine restarted on the same folder: the next turn (the
+    last prompt, the reply and a new message) loads the blocks and the snapshot taken when the
+    turn finished, a prompt sharing only the first turn's prompt the snapshot taken when it was
+    cached; each a hit there, answering as an engine without any cache."""
+    rng = random.Random(11)
+    first = random_prompt(rng, 150)
+    before = _engine(slotted, tmp_path)
+    reply = tokens(_serve(before, {"a": first})["a"])
+    assert before.stats()["kv_disk_queued_blocks"] == 0
+    _stopped(before)
+    snaps = [f for f in tmp_path.rglob("*.kv") if "+" in f.name]
+    assert len(snaps) == 2, "a snapshot at the prompt's body and one at the turn's end"
+    taken = _snapshot(before, first + reply[:-1])
+
+    turn = first + reply + random_prompt(rng, 12)
+    other = first[:-1] + random_prompt(rng, 9)
+    alone = make_scheduler(slotted, page_size=PAGE, disable_radix_cache=True)
+    want = {rid: tokens(o) for rid, o in _serve(alone, {"turn": turn, "other": other}).items()}
+    after = _engine(slotted, tmp_path)
+    got = _serve(after, {"turn": turn})["turn"]
+    assert tokens(got) == want["turn"]
+    assert got[-1].cached_tokens == len(first) + len(reply) - 1  # NOTE: the last reply token
+    for a, b in zip(taken, _snapshot(after, first + reply[:-1]), strict=True):
+        assert np.array_equal(a, b), "the slot read back is not the slot written"
+    got = _serve(after, {"other": other})["other"]
+    assert tokens(got) == want["other"]
+    assert got[-1].cached_tokens == len(first) - 1
+    stats = after.stats()
+    assert stats["kv_disk_hit_tokens"] == len(first) + len(reply) - 1
+    assert stats["kv_disk_skipped_files"] == 0
+    _stopped(after)
+
+
+def test_a_slots_snapshot_that_is_damaged_is_skipped_and_the_prompt_computed(slotted, tmp_path):
+    """A snapshot file cut short: skipped with its count, no hit, the answer unchanged."""
+    rng = random.Random(12)
+    first = random_prompt(rng, 150)
+    before = _engine(slotted, tmp_path)
+    reply = tokens(_serve(before, {"a": first})["a"])
+    _stopped(before)
+    for f in tmp_path.rglob("*.kv"):
+        if "+" in f.name:
+            f.write_bytes(f.read_bytes()[:-7])
+    turn = first + reply + random_prompt(rng, 12)
+    alone = make_scheduler(slotted, page_size=PAGE, disable_radix_cache=True)
+    want = tokens(_serve(alone, {"turn": turn})["turn"])
+    after = _engine(slotted, tmp_path)
+    got = _serve(after, {"turn": turn})["turn"]
+    assert tokens(got) == want and got[-1].cached_tokens == 0
+    assert after.stats()["kv_disk_skipped_files"] == 1  # NOTE: the longest; the load stops there
+    _stopped(after)
