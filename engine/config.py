@@ -335,8 +335,6 @@ class EngineConfig:
                 f"kv_bits must be 0, 4 or 8 and kv_group_size 32, 64 or 128, got {self.kv_bits}, "
                 f"{self.kv_group_size}"
             )
-        if self.kv_bits and self.fused_decode == "on":
-            raise ValueError("--fused-decode on reads plain KV pages: not with --kv-bits")
         if self.cpu_dequantize not in ON_OFF_AUTO:
             raise ValueError(f"cpu_dequantize must be auto, on or off, got {self.cpu_dequantize}")
         return self

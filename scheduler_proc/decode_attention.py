@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import base
 
 from scheduler_proc import prefill_attention
+from scheduler_proc.kv_quant import KVQuant, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +184,7 @@ _BODY = (
 # and warps merge once at the end. Per-thread state is G * E query and output values in
 # registers, so only shapes where G * E <= 64 take it. Each group loads U keys before using any.
 # H200, 128 rows x 4,000 keys, 32/8 heads of 64: `_BODY` read K and V at ~1.2 TB/s.
-_LANES_BODY = (
-    _SPAN
-    + """
+_LANES_HEAD = """
   constexpr int L = (D / VEC) < 32 ? (D / VEC) : 32;
   constexpr int E = D / L;
   constexpr int LOADS = E / VEC;
@@ -212,6 +211,9 @@ _LANES_BODY = (
     }
   }
 
+"""
+
+_LANES_LOOP = """
   const int* pages = table + (size_t)b * W;
   const T* kb = k + (size_t)kvh * S * D + sub * E;
   const T* vb = v + (size_t)kvh * S * D + sub * E;
@@ -270,6 +272,10 @@ _LANES_BODY = (
     }
   }
 
+"""
+
+# NOTE: the groups' and warps' running max, sum and output merged (every lanes body ends so).
+_LANES_MERGE = """
   // NOTE: the warp's key groups merge (lanes L apart hold the same dims), then the warps do.
 #pragma unroll
   for (int g = 0; g < G; g++) {
@@ -331,7 +337,91 @@ _LANES_BODY = (
     }
   }
 """
-)
+
+_LANES_BODY = _SPAN + _LANES_HEAD + _LANES_LOOP + _LANES_MERGE
+
+# NOTE: the lanes body over quantized pages (`--kv-bits`, `quant_fit`): k and v are the codes,
+# `(1, KVH, S, D * BITS / 32)` uint32 (element e of a key at bits (e * BITS) % 32 of word
+# e * BITS / 32), each group of GS values mapped back by its scale and bias (`(1, KVH, S, D / GS)`
+# of T): x = code * scale + bias, as MLX's `dequantize`. A lane's E values lie in one group, so a
+# key costs a lane E * BITS / 8 bytes of codes and one scale and bias, K's and V's each.
+_QLANES_LOOP = """
+  constexpr int WORDS = E * BITS / 32;
+  constexpr int CPK = D * BITS / 32;
+  constexpr int GPK = D / GS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  const int* pages = table + (size_t)b * W;
+  const uint32_t* kc = k + (size_t)kvh * S * CPK + sub * WORDS;
+  const uint32_t* vc = v + (size_t)kvh * S * CPK + sub * WORDS;
+  const size_t gk = (size_t)kvh * S * GPK + (sub * E) / GS;
+  // NOTE: `it` is the same for every lane of a warp, so every lane reaches every shuffle.
+  for (int it = k0 + warp * KPW; it < k1; it += STRIDE * U) {
+    uint32_t kx[U][WORDS];
+    uint32_t vx[U][WORDS];
+    float kq[U][2];
+    float vq[U][2];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int key = it + grp + u * STRIDE;
+      if (key < k1) {
+        const size_t slot = (size_t)(pages[key / P] * P + key % P);
+#pragma unroll
+        for (int c = 0; c < WORDS; c++) {
+          kx[u][c] = kc[slot * CPK + c];
+          vx[u][c] = vc[slot * CPK + c];
+        }
+        const size_t gi = gk + slot * GPK;
+        kq[u][0] = static_cast<float>(k_scales[gi]);
+        kq[u][1] = static_cast<float>(k_biases[gi]);
+        vq[u][0] = static_cast<float>(v_scales[gi]);
+        vq[u][1] = static_cast<float>(v_biases[gi]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < WORDS; c++) {
+          kx[u][c] = 0u;
+          vx[u][c] = 0u;
+        }
+        kq[u][0] = kq[u][1] = vq[u][0] = vq[u][1] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      float ke[E];
+      float ve[E];
+#pragma unroll
+      for (int e = 0; e < E; e++) {
+        const int shift = (e * BITS) % 32;
+        ke[e] = static_cast<float>((kx[u][e * BITS / 32] >> shift) & MASK) * kq[u][0] + kq[u][1];
+        ve[e] = static_cast<float>((vx[u][e * BITS / 32] >> shift) & MASK) * vq[u][0] + vq[u][1];
+      }
+      float s[G];
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) d += qr[g][e] * ke[e];
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffff, d, o);
+        s[g] = d;
+      }
+      if (it + grp + u * STRIDE < k1) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+          const float m_new = fmaxf(m[g], s[g]);
+          const float c = __expf(m[g] - m_new);
+          const float p = __expf(s[g] - m_new);
+          l[g] = l[g] * c + p;
+#pragma unroll
+          for (int e = 0; e < E; e++) acc[g][e] = acc[g][e] * c + p * ve[e];
+          m[g] = m_new;
+        }
+      }
+    }
+  }
+
+"""
+
+_QLANES_BODY = _SPAN + _LANES_HEAD + _QLANES_LOOP + _LANES_MERGE
 
 # NOTE: `_LANES_BODY`, one split: normalise and write the output.
 _LANES_FINAL = """
@@ -434,6 +524,20 @@ class PagedKeys:
     max_len: int
     table: mx.array
     page_size: int
+    quant: QuantPages | None = None  # NOTE: `--kv-bits`: k and v are codes, these map them back
+
+
+@dataclass(frozen=True)
+class QuantPages:
+    """A quantized layer's scales and biases, K's and V's, `(1, KVH, S, D / group)` each, beside
+    its codes (`(1, KVH, S, D * bits / 32)` uint32, what the layer hands attention as k and v)."""
+
+    k_scales: mx.array
+    k_biases: mx.array
+    v_scales: mx.array
+    v_biases: mx.array
+    bits: int
+    group: int
 
 
 @dataclass(frozen=True)
@@ -509,6 +613,7 @@ def decode_attention(
 ) -> mx.array:
     """softmax(q k^T * scale) v for q (B, H, 1, D) over row b's first `keys.lengths[b]` keys,
     read through `keys.table` from k, v (1, KVH, S, D); a row of length 0 (padding) gives zeros.
+    With `keys.quant`, k and v are codes (`QuantPages`), mapped back in the kernel (`quant_fit`).
     `splits` per row (default: `split_count`); `lanes`: the lanes-over-keys kernel (default:
     wherever the shape fits it, `lanes_fit`)."""
     b, heads, _, dim = q.shape
@@ -518,9 +623,10 @@ def decode_attention(
     counts.split += n > 1
     if not available():
         return _masked(q, k, v, keys, scale)
-    if lanes is None:
-        lanes = lanes_fit(g, dim, q.dtype)
-    prefix = "lanes_" if lanes else ""
+    qp = keys.quant
+    if lanes is None or qp is not None:
+        lanes = qp is not None or lanes_fit(g, dim, q.dtype)
+    prefix = "qlanes_" if qp is not None else "lanes_" if lanes else ""
     template = [
         ("T", q.dtype),
         ("D", dim),
@@ -530,6 +636,9 @@ def decode_attention(
         ("P", keys.page_size),
     ]
     inputs = [q, k, v, keys.table, keys.lengths, _scale(scale)]
+    if qp is not None:
+        template += [("BITS", qp.bits), ("GS", qp.group)]
+        inputs[3:3] = [qp.k_scales, qp.k_biases, qp.v_scales, qp.v_biases]
     shape = dict(grid=(_TILE * n, kv_heads, b), threadgroup=(_TILE, 1, 1), template=template)
     if n == 1:
         return _kernel(prefix + "final")(
@@ -550,6 +659,27 @@ def decode_attention(
         output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )[0]
+
+
+def quant_fit(q: mx.array, k: mx.array, v: mx.array, quant: QuantPages) -> bool:
+    """Shapes the quantized kernel takes: those of the lanes body (`lanes_fit`) whose lanes
+    each read whole words of codes within one group, scales in q's dtype."""
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[-1]
+    if q.shape[2] != 1 or k.ndim != 4 or k.shape[0] != 1 or k.shape != v.shape:
+        return False
+    if k.dtype != mx.uint32 or k.shape[-1] * 32 != dim * quant.bits or dim > 256:
+        return False
+    if heads % kv_heads or quant.k_scales.dtype != q.dtype or dim * q.dtype.size % 16:
+        return False
+    g = heads // kv_heads
+    lanes = min(dim * q.dtype.size // 16, 32)
+    per_lane = dim // lanes
+    return (
+        g <= 32
+        and lanes_fit(g, dim, q.dtype)
+        and per_lane * quant.bits % 32 == 0
+        and quant.group % per_lane == 0
+    )
 
 
 def lanes_fit(g: int, dim: int, dtype: mx.Dtype) -> bool:
@@ -592,11 +722,14 @@ def _kernel(kind: str) -> Any:
     """Built once each; NVRTC compiles one variant per template (dtype, head shape, pool size,
     page size)."""
     body = ["q", "k", "v", "table", "lengths", "scale"]
+    quant = ["q", "k", "v", "k_scales", "k_biases", "v_scales", "v_biases", *body[3:]]
     io = {
         "final": (body, ["out"], _BODY + _FINAL),
         "partial": (body, ["o_part", "m_part", "l_part"], _BODY + _PARTIAL),
         "lanes_final": (body, ["out"], _LANES_BODY + _LANES_FINAL),
         "lanes_partial": (body, ["o_part", "m_part", "l_part"], _LANES_BODY + _LANES_PARTIAL),
+        "qlanes_final": (quant, ["out"], _QLANES_BODY + _LANES_FINAL),
+        "qlanes_partial": (quant, ["o_part", "m_part", "l_part"], _QLANES_BODY + _LANES_PARTIAL),
         "combine": (["o_part", "m_part", "l_part"], ["out"], _COMBINE),
     }
     inputs, outputs, source = io[kind]
@@ -625,9 +758,14 @@ def _masked(
     table = keys.table[:, : -(-n // p)]  # NOTE: only the pages the bound reaches
     lengths = keys.lengths
     mask = (mx.arange(n)[None] < mx.maximum(lengths, 1)[:, None])[:, None, None]
-    return mx.fast.scaled_dot_product_attention(
-        q, _gather(k, table, p, n), _gather(v, table, p, n), scale=scale, mask=mask, sinks=sinks
-    )
+    kk, vv = _gather(k, table, p, n), _gather(v, table, p, n)
+    qp = keys.quant
+    if qp is not None:
+        how = KVQuant(qp.bits, qp.group)
+        ks, kb = _gather(qp.k_scales, table, p, n), _gather(qp.k_biases, table, p, n)
+        vs, vb = _gather(qp.v_scales, table, p, n), _gather(qp.v_biases, table, p, n)
+        kk, vv = dequantize(kk, ks, kb, how, q.dtype), dequantize(vv, vs, vb, how, q.dtype)
+    return mx.fast.scaled_dot_product_attention(q, kk, vv, scale=scale, mask=mask, sinks=sinks)
 
 
 def _gather(buf: mx.array, table: mx.array, page_size: int, n: int) -> mx.array:
@@ -657,7 +795,11 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
         counts.prefill_causal += isinstance(mask, str) and queries.shape[2] > 1
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
     counts.calls += 1
-    if sinks is not None or not fits(queries, keys, values):
+    if paged.quant is not None:
+        ok = sinks is None and quant_fit(queries, keys, values, paged.quant)
+    else:
+        ok = sinks is None and fits(queries, keys, values)
+    if not ok:
         counts.masked += 1
         return _masked(queries, keys, values, paged, scale, sinks)
     return decode_attention(queries, keys, values, paged, scale)
@@ -706,10 +848,12 @@ def self_check(
     kv_heads: int = 3,
     dim: int = 128,
     page_size: int = 32,
+    quant: tuple[int, int] | None = None,
 ) -> bool:
     """Whether the kernel agrees with its masked twin on a small paged case (shuffled pages,
     GQA, a pad row; in one pass and in several splits); True off CUDA, where nothing runs it.
-    The runner keeps the masked path when this is False, so a wrong kernel never serves."""
+    `quant` (bits, group): the quantized kernel, on the case's pages quantized. The runner
+    keeps the masked path when this is False, so a wrong kernel never serves."""
     if not available():
         return True
     lengths = [300, 0, 1, 129, 64, 1100]
@@ -718,7 +862,12 @@ def self_check(
         q, k, v, keys = _random_case(heads, kv_heads, dim, lengths, page_size, dtype)
         # NOTE: the reference in float32: only the kernel's own rounding is left to tolerate
         f32 = mx.float32
-        want = _masked(q.astype(f32), k.astype(f32), v.astype(f32), keys, dim**-0.5)
+        if quant is not None:
+            k, v, keys = _quantized(k, v, keys, *quant)
+            k32, v32 = _plain_values(k, v, keys.quant, f32)
+            want = _masked(q.astype(f32), k32, v32, _plain_keys(keys), dim**-0.5)
+        else:
+            want = _masked(q.astype(f32), k.astype(f32), v.astype(f32), keys, dim**-0.5)
         real = (keys.lengths > 0)[:, None, None, None]
         for splits in (1, 4):
             got = decode_attention(q, k, v, keys, dim**-0.5, splits).astype(mx.float32)
@@ -731,6 +880,31 @@ def self_check(
         log.warning("decode attention: the kernel failed its check: %s", e)
         return False
     return True
+
+
+def _quantized(
+    k: mx.array, v: mx.array, keys: PagedKeys, bits: int, group: int
+) -> tuple[mx.array, mx.array, PagedKeys]:
+    """The case's K and V as quantized pages: codes, and `keys` with their scales and biases."""
+    kc, ks, kb = mx.quantize(k, group_size=group, bits=bits)
+    vc, vs, vb = mx.quantize(v, group_size=group, bits=bits)
+    pages = QuantPages(ks, kb, vs, vb, bits, group)
+    return kc, vc, PagedKeys(keys.lengths, keys.max_len, keys.table, keys.page_size, pages)
+
+
+def _plain_values(
+    k: mx.array, v: mx.array, quant: QuantPages | None, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """Quantized pages' values (MLX's own `dequantize`), in `dtype`."""
+    assert quant is not None
+    g, bits = quant.group, quant.bits
+    kd = mx.dequantize(k, quant.k_scales, quant.k_biases, group_size=g, bits=bits)
+    vd = mx.dequantize(v, quant.v_scales, quant.v_biases, group_size=g, bits=bits)
+    return kd.astype(dtype), vd.astype(dtype)
+
+
+def _plain_keys(keys: PagedKeys) -> PagedKeys:
+    return PagedKeys(keys.lengths, keys.max_len, keys.table, keys.page_size)
 
 
 def _random_case(

@@ -23,13 +23,14 @@ into one contiguous batch (a slice when a lone row's pages are one run); in a fu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as mlx_cache
 
-from scheduler_proc.decode_attention import Groups, PagedKeys, RowGroup
+from scheduler_proc.decode_attention import Groups, PagedKeys, QuantPages, RowGroup
 from scheduler_proc.kv_layout import LayerShape, Layout, bytes_per_token, ring_size
 from scheduler_proc.kv_quant import Buffer, KVQuant, QuantBuffer, parts, rebuilt
 
@@ -310,8 +311,9 @@ class _RaggedView:
 
     def read(self, buf: Buffer, n: int) -> mx.array:
         if self.fused:
-            assert not isinstance(buf, QuantBuffer), "the fused kernel reads plain pages"
-            return buf[None]  # NOTE: the kernel reads through the table (`fused_keys`)
+            # NOTE: the kernel reads through the table (`fused_keys`); quantized, the codes
+            # (`LayerCache.fused_lengths` hands it the scales and biases)
+            return (buf.parts[0] if isinstance(buf, QuantBuffer) else buf)[None]
         if not self.grouped:  # NOTE: grouped, this gather is never run (`KVPool.update`)
             self.pool.count_gather(len(self.plan.tables), self.length, buf, self._run)
         return self.pool.gather(self.plan.tables, self.length, buf, self._tables, self._run)
@@ -429,8 +431,15 @@ class LayerCache:
 
     def fused_lengths(self) -> PagedKeys | None:
         """Keys per row, their host bound and the page table when this layer's attention runs
-        the fused decode (`decode_attention`)."""
-        return self._view.fused_keys(self._window)
+        the fused decode (`decode_attention`); with quantized pages, their scales and biases."""
+        paged = self._view.fused_keys(self._window)
+        k, v = self._pool.keys[self._layer], self._pool.values[self._layer]
+        if paged is None or not isinstance(k, QuantBuffer) or not isinstance(v, QuantBuffer):
+            return paged
+        # NOTE: read after this step's writes (the layer updated its cache before attention)
+        ks, kb, vs, vb = (a[None] for a in (*k.parts[1:], *v.parts[1:]))
+        pages = QuantPages(ks, kb, vs, vb, k.quant.bits, k.quant.group)
+        return dataclasses.replace(paged, quant=pages)
 
     def groups(self) -> Groups | None:
         """This layer's attention in parts, when the forward's rows attend in groups (lone

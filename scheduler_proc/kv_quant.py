@@ -80,12 +80,18 @@ class QuantBuffer:
 
     def dequantize(self, parts: list[mx.array]) -> mx.array:
         """Gathered parts back to values of the model's dtype."""
-        q = self.quant
         codes, scales, biases = parts
-        if _by_ops():
-            return _dequantize_by_ops(codes, scales, biases, q, self.dtype)
-        out = mx.dequantize(codes, scales, biases, group_size=q.group, bits=q.bits)
-        return out.astype(self.dtype)
+        return dequantize(codes, scales, biases, self.quant, self.dtype)
+
+
+def dequantize(
+    codes: mx.array, scales: mx.array, biases: mx.array, q: KVQuant, dtype: mx.Dtype
+) -> mx.array:
+    """Codes back to values of `dtype` (by elementwise ops on the CPU: `_by_ops`)."""
+    if _by_ops():
+        return _dequantize_by_ops(codes, scales, biases, q, dtype)
+    out = mx.dequantize(codes, scales, biases, group_size=q.group, bits=q.bits)
+    return out.astype(dtype)
 
 
 Buffer = mx.array | QuantBuffer

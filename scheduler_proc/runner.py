@@ -114,18 +114,18 @@ class Runner:
         if not isinstance(heads, int) or not isinstance(kv, int) or heads % kv:
             return cases
         full = {(s.kv_heads, s.k_dim, s.dtype) for s in self.pool.shapes if s.window is None}
+        quant = self.pool.quant
         for kv_heads, dim, dtype in sorted(full, key=str):
             case = dict(heads=heads // kv * kv_heads, kv_heads=kv_heads, dim=dim, dtype=dtype)
             cases.append(dict(case, page_size=self.pool.page_size))
+            if quant is not None:  # NOTE: the quantized kernel reads the pages
+                cases.append(dict(cases[-1], quant=(quant.bits, quant.group)))
         return cases
 
     def _check_fused(self) -> bool:
         """One fused decode forward (scratch writes only): did every full-attention layer run
         the kernel? A model whose attention bypasses mlx-lm's function keeps the masked path,
         and so does a kernel whose results differ from MLX's attention (`self_check`)."""
-        if self.pool.quant is not None:
-            log.info("decode attention: masked (the fused kernel reads plain pages: --kv-bits)")
-            return False
         if not all(decode_attention.self_check(**case) for case in self._kernel_cases()):
             log.warning("decode attention: masked (the fused kernel failed its self-check)")
             return False

@@ -165,6 +165,56 @@ def test_the_kernel_passes_its_start_up_check(dtype):
     assert decode_attention.self_check(dtype)
 
 
+def _quantized(case: Case, bits: int, group: int):
+    """The case's pages quantized: codes, `PagedKeys` with their scales and biases, and the
+    values MLX's `dequantize` gives back (float32), which every reading must attend to."""
+    k, v, keys = decode_attention._quantized(case.k, case.v, case.keys, bits, group)
+    kd, vd = decode_attention._plain_values(k, v, keys.quant, mx.float32)
+    return k, v, keys, kd, vd
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_masked_twin_reads_quantized_pages_through_the_table(bits, group):
+    """Codes, scales and biases each gathered through the table and dequantized: the attention
+    over the values they stand for (garbage slots included, so a wrong slot shows)."""
+    case = Case(4, 2, 64, LENGTHS, 16, mx.float32)
+    k, v, keys, kd, vd = _quantized(case, bits, group)
+    out = decode_attention._masked(case.q, k, v, keys, 0.125)
+    plain = decode_attention._plain_keys(keys)
+    want = decode_attention._masked(case.q, kd, vd, plain, 0.125)
+    _assert_rows_match(out, [None if n == 0 else want[b] for b, n in enumerate(LENGTHS)], 1e-4)
+
+
+@cuda_only
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 64), (16, 8, 128), (8, 2, 256)])
+@pytest.mark.parametrize("splits", [None, 1], ids=["split", "one-pass"])
+def test_the_quantized_kernel_attends_to_the_values_its_codes_stand_for(
+    heads, kv_heads, dim, bits, group, splits
+):
+    """`--kv-bits`: the kernel maps codes back in registers; it attends as MLX's attention over
+    MLX's `dequantize` of the same pages, in one pass and split."""
+    if dim % group:
+        pytest.skip("the group does not divide the head dim")
+    case = Case(heads, kv_heads, dim, LENGTHS, 32, mx.bfloat16)
+    k, v, keys, kd, vd = _quantized(case, bits, group)
+    assert decode_attention.quant_fit(case.q, k, v, keys.quant)
+    scale = dim**-0.5
+    out = decode_attention.decode_attention(case.q, k, v, keys, scale, splits)
+    plain = decode_attention._plain_keys(keys)
+    want = decode_attention._masked(case.q.astype(mx.float32), kd, vd, plain, scale)
+    _assert_rows_match(out, [None if n == 0 else want[b] for b, n in enumerate(LENGTHS)], 2e-2)
+    assert not mx.any(out[1] != 0).item()  # NOTE: a pad row gives zeros
+
+
+@cuda_only
+@pytest.mark.parametrize("quant", [(8, 64), (4, 32)])
+def test_the_quantized_kernel_passes_its_start_up_check(quant):
+    assert decode_attention.self_check(mx.bfloat16, dim=64, quant=quant)
+
+
 def test_few_rows_split_their_keys_across_blocks():
     """Enough blocks to fill a large GPU, never a split without a whole tile of keys."""
     assert decode_attention.split_count(blocks=512, max_len=2048) == 1

@@ -178,12 +178,37 @@ def test_the_disk_tier_keeps_quantized_blocks_bit_for_bit(llama, tmp_path):
     assert plain.kv.disk.cache.fmt != second.kv.disk.cache.fmt  # NOTE: other files, other keys
 
 
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):
+    """The heads-of-32 llama in bfloat16, the dtype whose lanes the quantized kernel takes at
+    both widths (`decode_attention.quant_fit`)."""
+    shape = {**TINY_LLAMA, "head_dim": 32}
+    folder = tmp_path_factory.mktemp("llama-hd32-bf16")
+    return tiny_model(make_random_model(folder, shape, dtype=mx.bfloat16))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_fused_decode_reads_quantized_pages_as_the_gathered_decode_does(llama_bf16, bits):
+    """`--fused-decode on` (off CUDA, the kernel's masked twin): every full layer's decode reads
+    the codes through the page table with their scales and biases (`QuantPages`), and twelve
+    streams of different lengths answer as the gathered, dequantized decode."""
+    from scheduler_proc import decode_attention
+
+    rng = random.Random(bits)
+    prompts = {f"r{i}": random_prompt(rng, 20 + 37 * i) for i in range(12)}
+    want = _run(make(llama_bf16, kv_bits=bits, page_size=16), prompts, 16)
+    fused = make(llama_bf16, kv_bits=bits, page_size=16, fused_decode="on")
+    assert fused.runner.fused_decode
+    before = decode_attention.counts.calls
+    assert _run(fused, prompts, 16) == want
+    assert decode_attention.counts.calls > before
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         ({"kv_bits": 3}, "kv_bits"),
         ({"kv_bits": 8, "kv_group_size": 16}, "kv_group_size"),
-        ({"kv_bits": 8, "fused_decode": "on"}, "fused-decode"),
     ],
 )
 def test_settings_that_cannot_hold_are_refused(overrides, message):
