@@ -245,6 +245,12 @@ _LANES_LOOP = """
     for (int u = 0; u < U; u++) {
       const T* ke = reinterpret_cast<const T*>(kx[u]);
       const T* ve = reinterpret_cast<const T*>(vx[u]);
+"""
+
+# NOTE: a key's scores for the G query heads (each lane's E products, summed over its L lanes)
+# and the online softmax's update, from `ke` and `ve`: the key's E values of this lane (the plain
+# loop's own elements, the quantized loop's values mapped back).
+_LANES_ATTEND = """
       float s[G];
 #pragma unroll
       for (int g = 0; g < G; g++) {
@@ -338,7 +344,7 @@ _LANES_MERGE = """
   }
 """
 
-_LANES_BODY = _SPAN + _LANES_HEAD + _LANES_LOOP + _LANES_MERGE
+_LANES_BODY = _SPAN + _LANES_HEAD + _LANES_LOOP + _LANES_ATTEND + _LANES_MERGE
 
 # NOTE: the lanes body over quantized pages (`--kv-bits`, `quant_fit`): k and v are the codes,
 # `(1, KVH, S, D * BITS / 32)` uint32 (element e of a key at bits (e * BITS) % 32 of word
@@ -394,34 +400,9 @@ _QLANES_LOOP = """
         ke[e] = static_cast<float>((kx[u][e * BITS / 32] >> shift) & MASK) * kq[u][0] + kq[u][1];
         ve[e] = static_cast<float>((vx[u][e * BITS / 32] >> shift) & MASK) * vq[u][0] + vq[u][1];
       }
-      float s[G];
-#pragma unroll
-      for (int g = 0; g < G; g++) {
-        float d = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; e++) d += qr[g][e] * ke[e];
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffff, d, o);
-        s[g] = d;
-      }
-      if (it + grp + u * STRIDE < k1) {
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-          const float m_new = fmaxf(m[g], s[g]);
-          const float c = __expf(m[g] - m_new);
-          const float p = __expf(s[g] - m_new);
-          l[g] = l[g] * c + p;
-#pragma unroll
-          for (int e = 0; e < E; e++) acc[g][e] = acc[g][e] * c + p * ve[e];
-          m[g] = m_new;
-        }
-      }
-    }
-  }
-
 """
 
-_QLANES_BODY = _SPAN + _LANES_HEAD + _QLANES_LOOP + _LANES_MERGE
+_QLANES_BODY = _SPAN + _LANES_HEAD + _QLANES_LOOP + _LANES_ATTEND + _LANES_MERGE
 
 # NOTE: `_LANES_BODY`, one split: normalise and write the output.
 _LANES_FINAL = """
