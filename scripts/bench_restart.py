@@ -5,8 +5,13 @@ blocks are on disk (or the process would be restarted by a supervisor after a cr
 again on the same folder, and asked a new question under the same system prompt. The same
 question on a fresh engine with an empty folder is the cold start it is compared with. Each
 time is a chat completion of one token (the prompt's prefill and one step: the first token).
+`--next-turn`: the question after the restart is the conversation's next turn (the first
+question, its 16-token reply, a new question) instead of a new conversation under the same
+system prompt; a model with window rings or recurrent state hits only there (at a snapshot of
+its slot: docs/prefix_cache.md).
 
     .venv/bin/python scripts/bench_restart.py [--model DIR] [--system-words 2000] [--repeats 3]
+        [--next-turn]
 """
 
 from __future__ import annotations
@@ -58,23 +63,18 @@ class Engine:
                 raise RuntimeError(f"engine did not start:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
 
-    def first_token_s(self, system: str, question: str) -> tuple[float, int]:
-        """Seconds for a one-token chat completion, and its cached prompt tokens."""
-        body = {
-            "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": question},
-            ],
-            "max_tokens": 1,
-            "temperature": 0,
-        }
+    def first_token_s(self, messages: list[dict], max_tokens: int = 1) -> tuple[float, int, str]:
+        """Seconds for a chat completion of `max_tokens` (1: the first token's time), its cached
+        prompt tokens and its text."""
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
         conn = http.client.HTTPConnection("127.0.0.1", self.http, timeout=600)
         t0 = time.perf_counter()
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "json"})
         reply = json.loads(conn.getresponse().read())
         elapsed = time.perf_counter() - t0
         conn.close()
-        return elapsed, reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+        text = reply["choices"][0]["message"]["content"] or ""
+        return elapsed, reply["usage"]["prompt_tokens_details"]["cached_tokens"], text
 
     def metric(self, name: str) -> float:
         url = f"http://127.0.0.1:{self.http}/metrics"
@@ -103,12 +103,17 @@ class Engine:
         self.proc.wait(30)
 
 
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model dir (default: the engine's)")
     ap.add_argument("--system-words", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--launch-args", default="", help="more `mlx-engine launch` options")
+    ap.add_argument("--next-turn", action="store_true", help="ask the conversation's next turn")
     args = ap.parse_args()
     extra = args.launch_args.split()
     work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
@@ -119,15 +124,20 @@ def main() -> None:
             system = " ".join(rng.choice(WORDS) for _ in range(args.system_words))
             questions = [f"question {i}-{k}: which {rng.choice(WORDS)}?" for k in range(2)]
             warm_dir, cold_dir = work / f"warm{i}", work / f"cold{i}"
+            turn = [{"role": "system", "content": system}, _user(questions[0])]
             first = Engine(args.model, warm_dir, work / "first.log", extra)
-            seed_s, _ = first.first_token_s(system, questions[0])
+            seed_s, _, reply = first.first_token_s(turn, 16 if args.next_turn else 1)
             first.written()
             first.kill()
+            if args.next_turn:
+                ask = [*turn, {"role": "assistant", "content": reply}, _user(questions[1])]
+            else:
+                ask = [turn[0], _user(questions[1])]
             restarted = Engine(args.model, warm_dir, work / "restart.log", extra)
-            restart_s, cached = restarted.first_token_s(system, questions[1])
+            restart_s, cached, _ = restarted.first_token_s(ask)
             restarted.kill()
             cold = Engine(args.model, cold_dir, work / "cold.log", extra)
-            cold_s, _ = cold.first_token_s(system, questions[1])
+            cold_s, _, _ = cold.first_token_s(ask)
             cold.kill()
             rows.append((cold_s, restart_s, cached, seed_s))
             print(
