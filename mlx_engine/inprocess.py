@@ -142,6 +142,7 @@ class InProcessEngine:
                     self.sched.max_context,
                     slots,
                 ),
+                snapshot_hits=self.sched.kv.snapshots is not None,
             )
         )
         self.admission = Admission(self.core, self.config, self.tokenizer)
@@ -238,11 +239,11 @@ class InProcessEngine:
             return
         params = admitted.params
         try:
-            ids = self.admission.token_ids(msg, params)
+            ids, shared = self.admission.token_ids(msg, params)
             params = self.admission.for_prompt(params, ids)
             if entry.split is not None:
                 entry.split.begin(self.admission.opens_inside(ids))
-            self.sched.submit(msg.rid, ids, params, checked=True)
+            self.sched.submit(msg.rid, ids, params, checked=True, shared=shared)
         except Exception as e:  # NOTE: as in the scheduler process: one bad request fails alone
             self._reply(to_failure(msg.rid, self.admission.fail(msg.rid, e)))
             return

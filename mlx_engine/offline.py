@@ -37,7 +37,8 @@ class OfflineEngine:
         name = served_name(self.config.model, model_dir)
         facts = (name, int(sched.vocab), sched.max_context, sched.running.slots)
         # NOTE: the launched engine's admission (limits, counters), token ids only: no tokenizer
-        self.core = FrontDoor(door_settings(self.config, facts))
+        hits = sched.kv.snapshots is not None
+        self.core = FrontDoor(door_settings(self.config, facts, snapshot_hits=hits))
         self.admission = Admission(self.core, self.config, None)
         self._ids = itertools.count()
 
@@ -66,9 +67,9 @@ class OfflineEngine:
         entry = Entry(None)
         admitted = self.admission.admit(request, entry)
         try:
-            ids = self.admission.token_ids(request, admitted.params)
+            ids, shared = self.admission.token_ids(request, admitted.params)
             params = self.admission.for_prompt(admitted.params, ids)
-            self.scheduler.submit(request.rid, ids, params, checked=True)
+            self.scheduler.submit(request.rid, ids, params, checked=True, shared=shared)
         except Exception as e:
             raise self.admission.fail(request.rid, e) from e
         self.core.forwarded(request.rid, entry)

@@ -113,18 +113,36 @@ class KVManager:
 
     def _snap_point(self, req: Req, hit: int) -> int | None:
         """Where the request should snapshot its slot: the end of what it shares with a cached
-        prefix beyond its snapshot-bounded hit, so the next request sharing it hits there."""
+        prefix beyond its snapshot-bounded hit, so the next request sharing it hits there; else
+        the end of what its prompt shares with other conversations (`Req.shared`: a chat's
+        system prompt), so the next conversation hits there (with none, every new conversation
+        under one system prompt computed it again, a burst of agents each)."""
         if self.snapshots is None or self.prefix is None:
             return None
-        shared = self.prefix.tree.match_prefix(req.fill_ids[: req.fill_len - 1]).length
-        return shared if hit < shared < req.fill_len - 1 else None
+        body = req.fill_len - 1
+        cached = self.prefix.tree.match_prefix(req.fill_ids[:body]).length
+        for point in (cached, req.shared):
+            if hit < point < body:
+                return point
+        return None
 
     def snapshot_at(self, req: Req) -> None:
-        """The request's slot holds exactly its first `snap_at` fill tokens: keep a copy."""
+        """The request's slot holds exactly its first `snap_at` fill tokens: keep a copy (for
+        the disk too, now or, when they are not cached yet, once its prompt is)."""
         if req.snap_at is not None:
             tokens = req.fill_ids[: req.snap_at]
-            self._to_disk(tokens, self._snapshot(req, tokens))
+            snapshot = self._snapshot(req, tokens)
+            if self.disk is not None and snapshot is not None:
+                req.snap_pending = (tokens, snapshot)
+                if self._cached(tokens):
+                    self._to_disk(*req.snap_pending)
+                    req.snap_pending = None
         req.snap_at = None
+
+    def _cached(self, tokens: list[int]) -> bool:
+        return self.prefix is not None and self.prefix.tree.match_prefix(tokens).length == len(
+            tokens
+        )
 
     def _boundary(self, req: Req):
         snaps, w = self.snapshots, self.align
@@ -204,6 +222,9 @@ class KVManager:
             snapshot = self._snapshot(req, tokens)
             if snapshot is not None:  # NOTE: pages alone: a finished request writes its blocks
                 self._to_disk(tokens, snapshot)
+            if req.snap_pending is not None:
+                self._to_disk(*req.snap_pending)
+                req.snap_pending = None
 
     def _snapshot(self, req: Req, tokens: list[int]) -> list[mx.array] | None:
         if self.snapshots is not None and req.slot is not None:

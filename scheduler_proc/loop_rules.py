@@ -96,7 +96,9 @@ def submit(sched: Any, msg: TokenizedRequest, draining: bool, tell: Callable[[An
         if draining:
             raise ShuttingDown("the engine is shutting down")
         # NOTE: the front door checked prompt and params against this scheduler's facts.
-        sched.submit(msg.rid, msg.input_ids, msg.params, checked=True, client=msg.client)
+        sched.submit(
+            msg.rid, msg.input_ids, msg.params, checked=True, client=msg.client, shared=msg.shared
+        )
     except EngineError as e:
         log.info("rid=%s refused: %s", msg.rid, e)
         tell(RequestFailed(to_failure(msg.rid, e)))

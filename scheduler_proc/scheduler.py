@@ -243,10 +243,12 @@ class Scheduler:
         params: SamplingParams,
         checked: bool = False,
         client: str = "",
+        shared: int = 0,
     ) -> None:
         """Queue a request of `client` (the unit of fair scheduling, scheduler_proc/waiting.py).
         `checked`: the front door already ran the prompt and parameter rules against this
-        scheduler's limits (tokenizer_proc/prepare.py), so they run once."""
+        scheduler's limits (tokenizer_proc/prepare.py), so they run once. `shared`: tokens of
+        the prompt other conversations share (`TokenizedRequest.shared`)."""
         if self._closed:
             raise ShuttingDown("the scheduler is shutting down")
         if rid in self._reqs:
@@ -262,6 +264,7 @@ class Scheduler:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         max_new = min(params.max_tokens, self.max_context - len(input_ids))
         req = Req(rid, list(input_ids), params, seed, max_new, frozenset(stop), client)
+        req.shared = max(0, min(shared, len(input_ids)))
         req.thinking = params.think_inside
         if params.constrained:
             if not checked:

@@ -78,6 +78,7 @@ def scheduler_facts(
         prefix_cache_tokens=0 if scheduler.prefix is None else scheduler.kv_plan.tokens,
         tokenizer_defaults=tokenizer_defaults(model_dir),
         running_slots=scheduler.running.slots,
+        snapshot_hits=scheduler.kv.snapshots is not None,
         model_s=round(times[0], 2),
         load_s=round(times[1], 2),
         warm_up_s=round(scheduler.warm_up_s, 2),

@@ -468,3 +468,74 @@ def test_a_slots_snapshot_that_is_damaged_is_skipped_and_the_prompt_computed(slo
     assert tokens(got) == want and got[-1].cached_tokens == 0
     assert after.stats()["kv_disk_skipped_files"] == 1  # NOTE: the longest; the load stops there
     _stopped(after)
+
+
+def test_a_second_conversation_hits_at_the_system_prompts_snapshot(slotted, tmp_path):
+    """`shared` (the front door's count of a chat's system-prompt tokens): the first
+    conversation snapshots its slot there, so the next one under that system prompt hits there,
+    in memory and after a restart from disk; without it the second computed everything."""
+    rng = random.Random(13)
+    system = random_prompt(rng, 130)
+    asks = {f"c{i}": system + random_prompt(rng, 10 + i) for i in range(3)}
+    alone = make_scheduler(slotted, page_size=PAGE, disable_radix_cache=True)
+    want = {rid: tokens(o) for rid, o in _serve(alone, asks).items()}
+
+    def ask(sched: Scheduler, rid: str, shared: int) -> list:
+        sched.submit(rid, asks[rid], greedy(6), shared=shared)
+        outs: list = []
+        while sched.has_work():
+            outs += [c for c in sched.step() if c.rid == rid]
+        assert tokens(outs) == want[rid]
+        return outs
+
+    blind = _engine(slotted, tmp_path / "blind")
+    ask(blind, "c0", 0)
+    assert ask(blind, "c1", 0)[-1].cached_tokens == 0, "no snapshot where they part"
+    _stopped(blind)
+    before = _engine(slotted, tmp_path / "kv")
+    ask(before, "c0", len(system))
+    assert ask(before, "c1", len(system))[-1].cached_tokens == len(system)
+    _stopped(before)
+    after = _engine(slotted, tmp_path / "kv")
+    assert ask(after, "c2", len(system))[-1].cached_tokens == len(system)
+    assert after.stats()["kv_disk_hit_tokens"] == len(system)
+    _stopped(after)
+
+
+def test_the_front_door_tells_a_slotted_model_where_the_system_prompt_ends(
+    default_model_dir, tmp_path
+):
+    """Launched, a hybrid model with the default tokenizer: the second chat under the same
+    system prompt reports the system prompt's tokens as cached, the third after `kill -9` and
+    a restart too (from disk)."""
+    from engine.random_model import TINY_FAMILIES
+
+    model = make_random_model(
+        tmp_path / "m", TINY_FAMILIES["qwen3_next"], tokenizer_from=default_model_dir
+    )
+    rng = random.Random(1)
+    system = " ".join(rng.choice(WORDS) for _ in range(300))
+    args = ("--kv-cache-dir", str(tmp_path / "kv"), "--warmup", "off")
+
+    def chat(engine: LaunchedEngine, question: str) -> int:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0}
+        status, reply = post_json(engine, "/v1/chat/completions", body)
+        assert status == 200, reply
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = LaunchedEngine(model, tmp_path / "1.log", *args).wait_ready()
+    try:
+        assert chat(first, "first question") == 0
+        assert chat(first, "another one") > 300
+        deadline = time.monotonic() + 30
+        while _metric(first, "mlx_engine_kv_disk_files") < 3:
+            assert time.monotonic() < deadline, "nothing written"
+            time.sleep(0.1)
+    finally:
+        first.stop()
+    second = LaunchedEngine(model, tmp_path / "2.log", *args).wait_ready()
+    try:
+        assert chat(second, "a third") > 300
+    finally:
+        second.stop()

@@ -150,3 +150,30 @@ def test_the_front_door_checks_tokenized_prompts_against_the_model_too():
         prepare.token_ids(tt.Generate("r", prompt="hi"), WideTokenizer(), 50, 64)
     assert e.value.field == "prompt" and "out of range" in e.value.message
     assert prepare.token_ids(tt.Generate("r", input_ids=[1, 49]), None, 50, 64) == [1, 49]
+
+
+def test_a_chats_shared_prefix_is_its_leading_system_messages_as_the_template_writes_them(
+    default_model_dir,
+):
+    """`prepare.prompt(shared=True)`: the tokens of the system messages before the first other
+    message, when the template writes them alone as it writes them in the chat; 0 when no such
+    message leads others."""
+    from engine.tokenizer_loader import load_tokenizer
+    from tokenizer_proc import prepare
+
+    tok = load_tokenizer(default_model_dir)
+    system = {"role": "system", "content": "You are a careful agent. " * 20}
+    user = {"role": "user", "content": "Fix the test."}
+
+    def shared(messages: list[dict]) -> tuple[int, list[int]]:
+        got = prepare.prompt(tt.Generate("r", messages=messages), tok, 49152, 8192, shared=True)
+        return got.shared, got.ids
+
+    n, ids = shared([system, user])
+    alone = tok.apply_chat_template([system], add_generation_prompt=False)
+    assert n == len(alone) > 100 and ids[:n] == list(alone)
+    assert shared([system, system, user])[0] > n, "every leading system message"
+    assert shared([user])[0] == 0 and shared([system])[0] == 0
+    assert shared([user, system, user])[0] == 0, "a system message that does not lead"
+    plain = prepare.prompt(tt.Generate("r", messages=[system, user]), tok, 49152, 8192)
+    assert plain.shared == 0 and plain.ids == ids, "not asked: not rendered twice"

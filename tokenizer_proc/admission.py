@@ -118,13 +118,20 @@ class Admission:
         a constraint to compile (a 190 KB schema: 0.36-0.65 s)."""
         return slow_text(msg, admitted.chars) or admitted.params.constrained
 
-    def token_ids(self, msg: Generate, params: SamplingParams) -> list[int]:
-        """The prompt's token ids (its constraint compiled first); `InvalidRequest` naming the
-        field, or whatever the tokenizer raised (`fail` types it)."""
+    def token_ids(self, msg: Generate, params: SamplingParams) -> prepare.Prompt:
+        """The prompt's token ids (its constraint compiled first), and what of it a chat shares
+        with other conversations where the scheduler asks (`DoorSettings.snapshot_hits`);
+        `InvalidRequest` naming the field, or whatever the tokenizer raised (`fail` types it)."""
         if params.constrained:
             constraints.check(params)
         limit = self.core.settings
-        return prepare.token_ids(msg, self.tokenizer, limit.vocab_size, limit.max_context)
+        return prepare.prompt(
+            msg,
+            self.tokenizer,
+            limit.vocab_size,
+            limit.max_context,
+            shared=limit.snapshot_hits,
+        )
 
     def fail(self, rid: str, error: Exception) -> EngineError:
         """An admitted request failed before the scheduler took it: out of the table, counted;

@@ -65,10 +65,16 @@ class DoorSettings:
     client_keys: Mapping[str, str] = field(default_factory=dict)  # key -> client name
     running_slots: int = 0  # most requests running at once (what a router is told)
     adapter: str | None = None  # the LoRA adapter applied at launch (its name)
+    # NOTE: the scheduler's prefix cache hits only at slot snapshots: tell it where a chat's
+    # shared part ends (`prepare.shared_prefix`)
+    snapshot_hits: bool = False
 
 
 def door_settings(
-    config: EngineConfig, model: tuple[str, int, int, int], control_token: str | None = None
+    config: EngineConfig,
+    model: tuple[str, int, int, int],
+    control_token: str | None = None,
+    snapshot_hits: bool = False,
 ) -> DoorSettings:
     """The front door's limits from the config and what the scheduler reported: `model` is
     (name, vocabulary, context, running rows), the rows as --max-running-requests 0 left them
@@ -88,6 +94,7 @@ def door_settings(
         api_key=config.api_key,
         client_keys=keys,
         control_token=control_token,
+        snapshot_hits=snapshot_hits,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.errors import InvalidRequest
 from engine.messages.to_tokenizer import Generate
@@ -40,11 +40,29 @@ def converted_tools(
     return out
 
 
+class Prompt(NamedTuple):
+    ids: list[int]
+    shared: int = 0  # NOTE: its first tokens other conversations share (`shared_prefix`)
+
+
 def token_ids(
     req: Generate, tokenizer: Any, vocab_size: int, max_context: int, generation_prompt: bool = True
 ) -> list[int]:
     """`generation_prompt`: a chat's template ends with the assistant's turn opened (for
     `/tokenize`, optional)."""
+    return prompt(req, tokenizer, vocab_size, max_context, generation_prompt).ids
+
+
+def prompt(
+    req: Generate,
+    tokenizer: Any,
+    vocab_size: int,
+    max_context: int,
+    generation_prompt: bool = True,
+    shared: bool = False,
+) -> Prompt:
+    """The request's prompt tokens; `shared`: and how many of them a chat shares with other
+    conversations (`shared_prefix`)."""
     source = source_of(req)
     if req.tools is not None:
         check_tools(req.tools)
@@ -59,6 +77,9 @@ def token_ids(
         if tools and _told(req, tokenizer):
             messages, tools = tools_told(messages, tools), None
         ids = _from_messages(messages, tokenizer, tools, generation_prompt, extra)
+        if shared:
+            head = shared_prefix(messages, tokenizer, tools, extra, ids)
+            return Prompt(check_prompt(ids, vocab_size, max_context, source), head)
     elif req.prompt is not None:
         ids = _from_prompt(req.prompt, tokenizer)
     else:
@@ -66,7 +87,38 @@ def token_ids(
         # NOTE: a bool is an int to Python, not to the scheduler's typed decoder.
         if any(type(t) is not int for t in ids):
             raise InvalidRequest("input_ids", "must be a list of integer token ids")
-    return check_prompt(ids, vocab_size, max_context, source)
+    return Prompt(check_prompt(ids, vocab_size, max_context, source))
+
+
+# NOTE: the roles whose messages lead a chat and stay the same across its conversations
+LEADING_ROLES = frozenset({"system", "developer"})
+
+
+def shared_prefix(
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    tools: list[dict[str, Any]] | None,
+    template: dict[str, Any],
+    ids: list[int],
+) -> int:
+    """How many of a chat's prompt tokens `ids` its leading system messages (and the tools)
+    are, as the template writes them alone: what other conversations under the same system
+    prompt share. 0 when no such message leads other messages, or the template writes them
+    otherwise alone (a date, the last message's role): then nothing is known.
+
+    NOTE: a model that hits only at slot snapshots (window rings, recurrent state) snapshots
+    there, so the next conversation hits there (`KVManager._snap_point`)."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in LEADING_ROLES:
+        lead += 1
+    if lead == 0 or lead == len(messages):
+        return 0
+    try:
+        head = _from_messages(messages[:lead], tokenizer, tools, False, template)
+    except InvalidRequest:
+        return 0  # NOTE: a template that will not write system messages alone
+    n = len(head)
+    return n if 0 < n < len(ids) - 1 and ids[:n] == head else 0
 
 
 def _renders_tools(tokenizer: Any) -> bool:

@@ -66,6 +66,7 @@ class TokenizerServer:
                 config,
                 (facts.model, facts.vocab_size, facts.max_context, slots),
                 control_token=os.environ.get(control_token.ENV),
+                snapshot_hits=facts.snapshot_hits,
             )
         )
         self.table = self.core.table
@@ -357,7 +358,8 @@ class TokenizerServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _forward(self, msg: tt.Generate, entry: Entry, ids: list[int], params: Any) -> None:
+    def _forward(self, msg: tt.Generate, entry: Entry, prompt: prepare.Prompt, params: Any) -> None:
+        ids = prompt.ids
         entry.thinking = reasoning.opens_inside(ids, self.markers)
         if entry.split is not None:
             entry.split.begin(entry.thinking)
@@ -365,7 +367,8 @@ class TokenizerServer:
         if not self.core.forwarded(msg.rid, entry):
             self._spawn(self._deliver(tc.Chunk(msg.rid, finish_reason="abort"), entry))
             return
-        self.to_scheduler.put(TokenizedRequest(msg.rid, ids, params, entry.client or ""))
+        request = TokenizedRequest(msg.rid, ids, params, entry.client or "", prompt.shared)
+        self.to_scheduler.put(request)
         log.debug("rid=%s admitted: %d prompt tokens", msg.rid, len(ids))
 
     def _client_gone(self, owner: Hashable) -> None:

@@ -19,6 +19,9 @@ class SchedulerFacts(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_tokens: int = 0  # what the prefix cache may hold: the KV pages it shares
     tokenizer_defaults: str = "null"  # JSON of the model module's TOKENIZER_DEFAULTS
     running_slots: int = 0  # most requests running at once (the front door's admission)
+    # NOTE: the prefix cache hits only at snapshots of a slot (window rings, recurrent state):
+    # the front door tells it where a chat's shared part ends (`TokenizedRequest.shared`)
+    snapshot_hits: bool = False
     # NOTE: where start-up went (seconds): the model found or fetched (a download, a GGUF
     # conversion), loaded, the step shapes warmed; the launcher's READY line reports them
     model_s: float = 0.0

@@ -14,6 +14,9 @@ class TokenizedRequest(Message):
     # NOTE: the unit of fair scheduling (tokenizer_proc/core.py `client_of`); "" for the
     # engine's own requests
     client: str = ""
+    # NOTE: tokens of the prompt that other conversations share (a chat's leading system
+    # messages); where a model that hits only at slot snapshots takes one (0: not known)
+    shared: int = 0
 
 
 class Abort(Message):
