@@ -9,8 +9,10 @@ import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 from engine_harness import LaunchedEngine, bounded  # noqa: F401
@@ -356,3 +358,99 @@ def test_a_harmony_tool_call_comes_back_structured(call_engine):
         out = sdk.generate(messages=ASK, tools=WEATHER, max_tokens=40, temperature=0.0)
     assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather"]
     assert (out.reasoning, out.text) == (CALL_THOUGHT, "")  # NOTE: as the chat route splits it
+
+
+# NOTE: tools whose calls a model at temperature 1 ends: no free keys, a short string
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOW = {
+    "type": "function",
+    "function": {
+        "name": "now",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+@pytest.mark.usefixtures("bounded")
+def test_a_forced_call_is_held_to_harmony_and_comes_back_structured(call_engine):
+    """`required` and a named function: the reply is held to harmony's call
+    (tokenizer_proc/harmony_calls.py; tests/test_harmony_calls.py checks the grammar) and read
+    back by channel, a call with arguments valid for the tool's schema and no content, over the
+    OpenAI API (whole and streamed), Anthropic's and the SDK. A reply that runs on in a thought
+    (the model at temperature 1 seldom ends one) proves nothing: another seed is tried."""
+    client, schema = _oai(call_engine), CITY["function"]["parameters"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = {"model": "m", "messages": ASK, "temperature": 1.0, "max_tokens": 64}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CITY, NOW)}
+    ended = 0
+    for seed in range(4):
+        for choice in ("required", named):
+            tools = [CITY, NOW]
+            r = client.chat.completions.create(**ask, tools=tools, tool_choice=choice, seed=seed)
+            if r.choices[0].finish_reason == "length":
+                continue
+            message = r.choices[0].message
+            assert r.choices[0].finish_reason == "tool_calls" and not message.content, message
+            (call,) = message.tool_calls
+            assert choice == "required" or call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            ended += 1
+    assert ended >= 4
+
+    def streamed(seed: int) -> list[Any] | None:
+        deltas = list(
+            client.chat.completions.create(
+                **ask, tools=[CITY], tool_choice=named, seed=seed, stream=True
+            )
+        )
+        return None if deltas[-1].choices[0].finish_reason == "length" else deltas
+
+    deltas = _ended(streamed)
+    calls = [c for d in deltas if d.choices for c in d.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert not "".join(d.choices[0].delta.content or "" for d in deltas if d.choices)
+    jsonschema.validate(json.loads("".join(c.function.arguments or "" for c in calls)), schema)
+    # NOTE: the anthropic client takes no seed: its greedy reply
+    spec = {"name": "get_weather", "input_schema": schema}
+    msg = anthropic.Anthropic(base_url=call_engine.http, api_key="x", max_retries=0).messages
+    reply = msg.create(
+        model="m", max_tokens=64, messages=ASK, tools=[spec], tool_choice={"type": "any"}, **GREEDY
+    )
+    assert reply.stop_reason == "tool_use", reply
+    assert [b.type for b in reply.content if b.type != "thinking"] == ["tool_use"], reply
+    jsonschema.validate(reply.content[-1].input, schema)
+
+    def generated(seed: int) -> Any:
+        with EngineClient(call_engine.address, timeout=30.0) as sdk:
+            out = sdk.generate(
+                messages=ASK,
+                tools=[CITY],
+                tool_choice="required",
+                max_tokens=64,
+                temperature=1.0,
+                seed=seed,
+            )
+        return None if out.finish_reason == "length" else out
+
+    out = _ended(generated)
+    assert [c["function"]["name"] for c in out.tool_calls] == ["get_weather"] and out.text == ""
+
+
+def _ended(reply: Any, seeds: int = 8) -> Any:
+    """The first of `reply(seed)`'s replies that ended (None: it ran to max_tokens)."""
+    for seed in range(seeds):
+        out = reply(seed)
+        if out is not None:
+            return out
+    raise AssertionError(f"no reply of {seeds} ended")

@@ -3,11 +3,13 @@ its tool's JSON schema, as one Lark grammar for the scheduler's token masks.
 
 A model whose tool-call format has a grammar in `tool_grammars` (mlx-lm's `json_tools`,
 `qwen3_coder`, `mistral`, `pythonic`) is forced into its own syntax, parsed back by its own
-parser. Any other model, with another format or none, or tools its format cannot carry (a name
-or schema it would not read back), is forced into a generic form the engine parses itself, as
-vLLM does: a JSON array of `{"name", "parameters"}` (`tool_calls.JsonCalls`); a model whose
-template cannot render tools is told of them in a system message (`prepare.tools_told`). `auto`
-and `none` keep the model's own format.
+parser; a chat with a model that speaks gpt-oss's harmony format is forced into harmony's call
+(`harmony_calls`), parsed back by channel (`harmony.HarmonyStream`). Any other model, with
+another format or none, or tools its format cannot carry (a name or schema it would not read
+back), is forced into a generic form the engine parses itself, as vLLM does: a JSON array of
+`{"name", "parameters"}` (`tool_calls.JsonCalls`); a model whose template cannot render tools is
+told of them in a system message (`prepare.tools_told`). `auto` and `none` keep the model's own
+format.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def force(msg: Any, tokenizer: Any) -> None:
     choice = normalize(msg.tool_choice)
     if msg.tools is not None:
         check_tools(msg.tools)
-    lark = grammar(tokenizer, msg.tools, choice, msg.parallel_tool_calls)
+    chat = msg.messages is not None
+    lark = grammar(tokenizer, msg.tools, choice, msg.parallel_tool_calls, chat)
     if lark is None:
         return
     if any(name in msg.params for name in FIELDS):
@@ -86,9 +89,11 @@ def grammar(
     tools: list[dict[str, Any]] | None,
     choice: str | tuple[str, str],
     parallel: bool,
+    chat: bool = True,
 ) -> str | None:
     """The Lark grammar forcing a tool call (None for `auto` / `none`): in the model's own
-    syntax where it can be (`tool_grammars.native`), else the generic form."""
+    syntax where it can be (`_native`), else the generic form; `chat`: the request is a chat
+    (messages, not a prompt or token ids)."""
     if choice in ("auto", "none"):
         return None
     if not tools:
@@ -96,7 +101,21 @@ def grammar(
     chosen = _chosen(tools, choice)
     if not chosen:
         raise InvalidRequest("tool_choice", f"no tool named {choice[1]!r} in tools")
-    return tool_grammars.native(tokenizer, chosen, parallel) or _generic(chosen, parallel)
+    return _native(tokenizer, chosen, parallel, chat) or _generic(chosen, parallel)
+
+
+def _native(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool, chat: bool) -> str | None:
+    """A forced call in the model's own syntax (None: there is none for it or these tools):
+    harmony's for a chat with a model that speaks it, else its format's (`tool_grammars`).
+
+    NOTE: a chat only: only a chat's reply is parsed by channel (`reply_split.for_sdk` splits
+    no prompt's), and the grammar starts after the template's generation prompt."""
+    # NOTE: imported here: harmony imports tool_calls, which imports this module
+    from tokenizer_proc import harmony, harmony_calls
+
+    if chat and harmony.speaks(tokenizer):
+        return harmony_calls.grammar(tokenizer, tools)
+    return tool_grammars.native(tokenizer, tools, parallel)
 
 
 def _chosen(tools: list[dict[str, Any]], choice: str | tuple[str, str]) -> list[dict[str, Any]]:
@@ -117,7 +136,8 @@ def generic_form(msg: Any, tokenizer: Any) -> bool:
     if not (msg.tools and forced(msg)):
         return False
     chosen = _chosen(msg.tools, normalize(msg.tool_choice))
-    return tool_grammars.native(tokenizer, chosen, msg.parallel_tool_calls) is None
+    chat = msg.messages is not None
+    return _native(tokenizer, chosen, msg.parallel_tool_calls, chat) is None
 
 
 def _generic(tools: list[dict[str, Any]], parallel: bool) -> str:
