@@ -97,9 +97,9 @@ def _llg_tokenizer(model_dir: Path) -> Any:
 # --- reading a reply back as the engine does ---------------------------------------------------
 
 
-def _read(tok: Any, msg: Generate, text: str, inside: bool) -> Piece:
+def _read(tok: Any, msg: Generate, text: str, inside: bool, parser: str = "auto") -> Piece:
     """`text`, a whole reply, as the engine splits it (`inside`: the prompt opened a thought)."""
-    split = ReplySplit(msg, tok, markers_of(tok, "auto"))
+    split = ReplySplit(msg, tok, markers_of(tok, parser))
     split.begin(inside)
     return split.piece(Chunk(msg.rid, text=text, token_ids=[0], finish_reason="stop"))
 
@@ -348,3 +348,14 @@ def test_sampled_forced_calls_read_back_as_one_valid_call(request, model):
                 assert not piece.text and not piece.calls and piece.reasoning, text
         if choice == NAMED:
             assert all("functions.get_weather " in t for t in ended)
+
+
+def test_a_forced_harmony_call_is_read_by_channel_with_the_reasoning_parser_off(gpt_oss):
+    """`--reasoning-parser none` (no markers): the forced call, held to harmony's syntax, is
+    still read back as the call (its thought then stays out of the answer as reasoning)."""
+    tok = _tok(gpt_oss)
+    assert markers_of(tok, "none") is None
+    text = _thought("check the city") + _call("get_weather", WEATHER_ARGS)
+    piece = _read(tok, _request(), text, False, parser="none")
+    assert piece.text == "" and len(piece.calls) == 1
+    assert json.loads(piece.calls[0]["function"]["arguments"]) == json.loads(WEATHER_ARGS)

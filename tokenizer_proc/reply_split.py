@@ -16,7 +16,7 @@ import msgspec
 
 from engine.messages import to_client as tc
 from engine.messages import to_tokenizer as tt
-from tokenizer_proc import tool_calls
+from tokenizer_proc import harmony, tool_calls, tool_choice
 from tokenizer_proc.harmony import HarmonyStream
 from tokenizer_proc.reasoning import Markers, ReasoningStream
 
@@ -39,6 +39,9 @@ class ReplySplit:
         self.tools = tool_calls.for_request(tokenizer, gen)
         self.offered = bool(gen.tools)
         self.markers = markers
+        # NOTE: a forced call held to harmony's own syntax (`tool_choice._native`) is read by
+        # channel whatever `--reasoning-parser` says (`none` gives no markers)
+        self.channels = (markers is not None and markers.harmony) or _harmony_call(gen, tokenizer)
         self.calls = 0
         self.reasoning_tokens = 0
         self.reasoner: ReasoningStream | None = None
@@ -47,7 +50,7 @@ class ReplySplit:
     def begin(self, thinking: bool) -> None:
         """Before the first chunk; `thinking`: the prompt left the model inside a thought."""
         m = self.markers
-        if m is not None and m.harmony:
+        if self.channels:
             if not isinstance(self.tools, tool_calls.JsonCalls):
                 self.harmony = HarmonyStream(thinking, self.offered)
         elif m is not None:
@@ -90,6 +93,17 @@ class ReplySplit:
         self.reasoning_tokens = stream.reasoning_tokens
         self.calls += len(parts.calls)
         return Piece(parts.answer, parts.reasoning, parts.calls)
+
+
+def _harmony_call(gen: tt.Generate, tokenizer: Any) -> bool:
+    """Whether the request forces a call in harmony's syntax (a chat on a model that speaks it,
+    its call not in the generic form)."""
+    return (
+        gen.messages is not None
+        and tool_choice.forced(gen)
+        and harmony.speaks(tokenizer)
+        and not tool_choice.generic_form(gen, tokenizer)
+    )
 
 
 def for_sdk(gen: tt.Generate, tokenizer: Any, markers: Markers | None) -> ReplySplit | None:
