@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import numpy as np
 import openai
 import pytest
 import tool_formats as tf
@@ -413,6 +414,311 @@ def test_minicpm5_values_as_minimax_m2s_in_its_own_blocks(build):
     _check(build, "minicpm5", [call("a", n="1") + call("b", n="2")], [], True, tools=[tool])
 
 
+def test_muse_spark_strings_read_back_raw_or_as_json_strings(build):
+    """The parser tries `json.loads` on every value first: a string is raw text it cannot read
+    (trimmed, no closing tag or end marker inside), or a JSON string without escapes for the
+    texts it could ("42", "true"); every other value is JSON of its schema. A `</atem:invoke>`
+    inside a value does not end the call (the parser takes a parameter element whole)."""
+    tool = _tool(
+        "f",
+        {
+            "s": {"type": "string"},
+            "free": {},
+            "n": {"type": "integer"},
+            "e": {"enum": ["a b", "1", " pad"]},
+        },
+        required=["s", "free", "n", "e"],
+    )
+
+    def call(s: str, free: str = "1", n: str = "3", e: str = "a b") -> str:
+        args = [("s", s), ("free", free), ("n", n), ("e", e)]
+        body = "".join(f'<atem:parameter name="{k}">{v}</atem:parameter>\n' for k, v in args)
+        return f'<atem:function_calls>\n<atem:invoke name="f">\n{body}</atem:invoke>\n</atem:function_calls>'
+
+    good = [
+        call("a b\nc", free='"x"'),
+        call('"42"', free='{"k": [1, null]}', n="-12"),
+        call('"true"', e='"1"'),
+        call('""', e='" pad"'),
+        call(""),
+        call("a</atem:invoke>b", free="true"),
+        call('"{a: [1]}"', free="2.5"),  # NOTE: text opening with `{`, as a JSON string
+        call('a "b" {c}'),
+        call("Null and nullable", free="null"),
+    ]
+    bad = [
+        call(" a"),  # NOTE: leading whitespace, which the parser strips
+        call("a\n"),
+        call("a\x1f"),  # NOTE: Python's strip takes it, a regex's \S does not
+        call("42"),  # NOTE: the parser's int
+        call("-1.5e3"),
+        call("null"),
+        call("NaN"),
+        call("true"),
+        call('{"a": 1}'),  # NOTE: the parser's dict
+        call("[1]"),
+        call("{a"),  # NOTE: raw text that opens as JSON does is left out (it is written quoted)
+        call('"a\\"b"'),  # NOTE: a JSON string with escapes is not written
+        call("a</atem:parameter>b"),
+        call("a</atem:function_calls>b"),
+        call("x", free="raw text"),  # NOTE: an untyped value is JSON
+        call("x", n="3.5"),
+        call("x", e="1"),  # NOTE: the parser's int: "1" is written as JSON
+        call("x", e="pad"),
+    ]
+    _check(build, "muse_spark", good, bad, tools=[tool])
+    weather = '<atem:invoke name="get_weather">\n<atem:parameter name="city">{}</atem:parameter>\n'
+    weather += '<atem:parameter name="days">3</atem:parameter>\n</atem:invoke>\n'
+
+    def calls(*cities: str) -> str:
+        return (
+            "<atem:function_calls>\n"
+            + "".join(weather.format(c) for c in cities)
+            + "</atem:function_calls>"
+        )
+
+    _check(
+        build,
+        "muse_spark",
+        good=[calls("twelve chars"), calls('"12345678901"'), calls("Oslo", "Bergen")],
+        bad=[calls("thirteen long"), calls('"1234567890123"'), calls("Oslo") + calls("Bergen")],
+        parallel=True,
+    )
+
+
+_DELIMITERS = ("<|open|>", "<|sep|>", "<|close|>")
+
+
+def _kimi(*calls: str) -> str:
+    return "<|open|>tools<|sep|>" + "".join(calls) + "<|close|>tools<|sep|>"
+
+
+def _kimi_call(name: str, *args: tuple[str, str, str], index: str = "0") -> str:
+    body = "".join(
+        f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>'
+        for k, t, v in args
+    )
+    return f'<|open|>call tool="{name}" index="{index}"<|sep|>{body}<|close|>call<|sep|>'
+
+
+def _spelled(text: str) -> str:
+    """`text` with each delimiter in ordinary tokens (its text split in two)."""
+    for tag in _DELIMITERS:
+        text = text.replace(tag, tag[:3] + SPLIT + tag[3:])
+    return text
+
+
+def test_kimi_k3_strings_are_raw_text_typed_string_and_the_rest_json(build):
+    """A value typed "string" is kept as written: any text within its lengths, whitespace
+    included, without the text of a tag that would end its argument, its call or the section
+    early, an `<|open|>json` block, or the think start; other values are JSON typed by their
+    schema. The delimiters are the model's added tokens: spelled in ordinary tokens they are
+    text, which the grammar takes only inside a value."""
+    weather = "get_weather"
+
+    def city(value: str, *more: tuple[str, str, str]) -> str:
+        return _kimi(
+            _kimi_call(weather, ("city", "string", value), ("days", "integer", "3"), *more)
+        )
+
+    good = [
+        _kimi(_kimi_call("now")),
+        _kimi(_kimi_call("now", index="12")),
+        city(" Oslo\n"),
+        city(""),
+        city("42", ("units", "string", "celsius"), ("detailed", "boolean", "false")),
+        _kimi(
+            _kimi_call(
+                "place_order",
+                ("item", "string", "tea"),
+                ("quantity", "number", "-2.5"),
+                ("address", "object", '{"street": "x", "zip": 7}'),
+                ("tags", "array", '["a", "b"]'),
+            )
+        ),
+    ]
+    bad = [
+        city("thirteen long"),
+        _kimi(_kimi_call(weather, ("city", "string", "x"), ("days", "string", "3"))),
+        _kimi(_kimi_call(weather, ("city", "json", '"x"'), ("days", "integer", "3"))),
+        _kimi(_kimi_call(weather, ("city", "string", "x"))),  # NOTE: days is required
+        _kimi(_kimi_call(weather, ("days", "integer", "3"), ("city", "string", "x"))),
+        city("x", ("units", "string", "kelvin")),
+        city("x", ("detailed", "boolean", "yes")),
+        _kimi(_kimi_call("now", index="x")),
+        _kimi(_kimi_call("now"), _kimi_call("now")),  # NOTE: one call without parallel calls
+        _spelled(_kimi(_kimi_call("now"))),  # NOTE: the tags are the model's tokens
+    ]
+    _check(build, "kimi_k3", good, bad)
+    note = [_tool("note", {"text": {"type": "string"}}, required=["text"])]
+
+    def text(value: str) -> str:
+        return _kimi(_kimi_call("note", ("text", "string", _spelled(value))))
+
+    good = [
+        text("a<|close|>b<|open|>argument<|sep|>"),
+        text("<|close|>argument</|sep|>"),
+        text("<|open|>jso <|open|>thinks<|sep|>"),
+    ]
+    bad = [
+        text("a<|close|>argument<|sep|>b"),
+        text("a<|close|>call<|sep|>b"),
+        text("a<|close|>tools<|sep|>b"),
+        text("<|open|>json"),  # NOTE: the parser would look for a JSON block
+        text("<|open|>think<|sep|>"),  # NOTE: the engine would cut a thought there
+    ]
+    _check(build, "kimi_k3", good, bad, tools=note)
+    two = _kimi(_kimi_call("now"), _kimi_call("now", index="1"))
+    _check(build, "kimi_k3", [two], [_kimi()], parallel=True)
+    # NOTE: a string held to more than raw text can be is JSON, typed so that the parser reads it
+    tool = _tool("f", {"s": {"type": "string", "pattern": "^a+$"}}, required=["s"])
+    typed = [_kimi(_kimi_call("f", ("s", "json", '"aa"')))]
+    _check(build, "kimi_k3", typed, [_kimi(_kimi_call("f", ("s", "string", "aa")))], tools=[tool])
+
+
+def test_kimi_k3_takes_the_generic_form_where_a_delimiter_is_text(build, tmp_path):
+    """mlx-lm infers the format from the delimiters in the vocabulary; where one is not an added
+    token (the tokenizer spells it in ordinary tokens) the grammar, written for tokens, is not
+    used."""
+    out = tmp_path / "model"
+    shutil.copytree(build("kimi_k3"), out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|sep|>"]
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    tok = load_tokenizer(out)
+    assert tool_grammars.format_of(tok) == "kimi_k3"
+    assert len(tok.encode("<|sep|>", add_special_tokens=False)) > 1
+    assert tool_grammars.native(tok, tf.TOOLS, False) is None
+
+
+def _gemma(*calls: str) -> str:
+    return "".join(f"<|tool_call>call:{c}<tool_call|>" for c in calls)
+
+
+def _q(text: str) -> str:
+    return f'<|"|>{text}<|"|>'
+
+
+def test_gemma4_arguments_are_what_its_json_conversion_reads_back(build):
+    """Gemma 4's parser balances the braces (not those in strings), quotes a bare key after `{`
+    or `,` and reads the result as JSON: strings are `<|"|>`-quoted text without `<|"|>` or the
+    end marker (braces, commas and colons inside are fine); numbers, booleans and null JSON;
+    objects and arrays in the same syntax, no spaces; properties in their schema's order."""
+    good = [
+        _gemma("now{}"),
+        _gemma("get_weather{city:" + _q("O, {x:1}: y") + ",days:3}"),
+        _gemma("get_weather{city:" + _q("") + ",days:14,units:" + _q("celsius") + ",detailed:false}"),
+        _gemma("get_weather{city:" + _q("a\n<b>") + ",days:1,detailed:true}"),
+        _gemma(
+            "place_order{item:" + _q("tea") + ",quantity:2.5,address:{street:" + _q("s")
+            + ",zip:7},tags:[" + _q("a") + "," + _q("bb") + "]}"
+        ),
+        _gemma("place_order{item:" + _q("water") + ",quantity:-3,tags:[]}"),
+    ]  # fmt: skip
+    bad = [
+        _gemma("get_weather{city:" + _q("a") + ", days:3}"),  # NOTE: a key after a space stays bare
+        _gemma('get_weather{city:"a",days:3}'),  # NOTE: a string is quoted by <|"|>
+        _gemma("get_weather{city:" + _q("a") + ",days:3,}"),
+        _gemma("get_weather{days:3,city:" + _q("a") + "}"),  # NOTE: out of their order
+        _gemma("get_weather{city:" + _q("thirteen long") + ",days:3}"),
+        _gemma("get_weather{city:" + _q("a") + ",days:3,wind:1}"),
+        _gemma("place_order{item:" + _q("tea") + ",quantity:1e5}"),
+        _gemma("place_order{item:" + _q("tea") + ",quantity:1,address:{zip:7}}"),
+        _gemma("place_order{item:" + _q("tea") + ',quantity:1,address:{"street":' + _q("s") + "}}"),
+        _gemma("place_order{item:" + _q("tea") + ",quantity:1,tags:[" + ",".join([_q("a")] * 4) + "]}"),
+        _gemma("now{}", "now{}"),  # NOTE: one call without parallel calls
+    ]  # fmt: skip
+    note = [_tool("note", {"text": {"type": "string"}}, required=["text"])]
+    good.append(_gemma("note{text:" + _q(f"a<tool_call|b<|tool_{SPLIT}call>") + "}"))
+    bad.append(_gemma("note{text:" + _q(f"a<tool_{SPLIT}call|>b") + "}"))
+    _check(build, "gemma4", good, bad, tools=[*tf.TOOLS, *note])
+    _check(build, "gemma4", [_gemma("now{}", "get_weather{city:" + _q("x") + ",days:2}")], [], True)
+    # NOTE: Gemma 4's own `<|"|>` is an added token: a string opens and closes with it alone
+    quote = SPLIT + '<|"|>' + SPLIT
+    good = [t.replace('<|"|>', quote) for t in good]
+    bad = [t.replace('<|"|>', quote) for t in bad]
+    bad.append(_gemma(f'note{{text:{quote}a<|{SPLIT}"|>b{quote}}}'))
+    _check(build, "gemma4_quote", good, bad, tools=[*tf.TOOLS, *note])
+
+
+def test_gemma4_writes_unions_untyped_values_and_nested_items(build):
+    """A value of several types is any one of them, an untyped one any value in the syntax (its
+    objects' keys word characters), an enum its values; an optional property whose schema says
+    more than the syntax can hold is left out of the call."""
+    props = {
+        "u": {"type": ["string", "null"], "maxLength": 3},
+        "any": {},
+        "n": {"enum": [1, 2.5, None, "x y"]},
+        "rows": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+            "minItems": 2,
+            "maxItems": 3,
+        },
+        "skip": {"type": "string", "format": "email"},
+    }
+    tool = _tool("f", props, required=["u", "any", "n", "rows"])
+
+    def call(u: str, any_: str, n: str, rows: str, more: str = "") -> str:
+        return _gemma(f"f{{u:{u},any:{any_},n:{n},rows:{rows}{more}}}")
+
+    good = [
+        call("null", "null", "1", "[[1],[2,3]]"),
+        call(_q("abc"), "{a:[1," + _q("}") + "],b:{}}", "2.5", "[[1],[2],[3]]"),
+        call(_q(""), _q("text"), "null", "[[0],[0]]"),
+        call("null", "true", _q("x y"), "[[1],[2]]"),
+    ]
+    bad = [
+        call(_q("abcd"), "1", "1", "[[1],[2]]"),
+        call("null", "{a b:1}", "1", "[[1],[2]]"),
+        call("null", "1", "3", "[[1],[2]]"),
+        call("null", "1", "1", "[[1]]"),
+        call("null", "1", "1", "[[1],[]]"),
+        call("null", "1", "1", "[[1],[2]]", ",skip:" + _q("a@b.c")),
+    ]
+    _check(build, "gemma4", good, bad, tools=[tool])
+
+
+# NOTE: (format, the text of a forced call up to a long string's value): each value's lexeme
+LONG_VALUES = [
+    ("muse_spark", '<atem:function_calls>\n<atem:invoke name="note">\n<atem:parameter name="text">'),
+    ("muse_spark", '<atem:function_calls>\n<atem:invoke name="note">\n<atem:parameter name="text">"'),
+    ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="note" index="0"<|sep|><|open|>argument key="text" type="string"<|sep|>'),
+    ("gemma4", '<|tool_call>call:note{text:<|"|>'),
+    ("gemma4_quote", "<|tool_call>call:note{text:" + SPLIT + '<|"|>' + SPLIT),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,prefix", LONG_VALUES)
+def test_a_long_string_keeps_the_lexer_within_its_limits(build, fmt, prefix):
+    """A string up to 1,000 characters long, its text drawn at random among the tokens the
+    grammar allows: every mask is computed (llguidance's lexer gives up on a lexeme whose
+    derivatives grow past its limit, "too many expressions constructed", which ends the reply
+    in the middle of the call)."""
+    from llguidance import LLMatcher
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    model_dir = build(fmt)
+    note = [_tool("note", {"text": {"type": "string", "minLength": 2, "maxLength": 1000}})]
+    lark = tool_choice.grammar(_tok(model_dir), note, "required", False)
+    tok = _llg_tokenizer(model_dir)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        matcher = LLMatcher(tok, LLMatcher.grammar_from_lark(lark), log_level=0)
+        ids = [i for piece in prefix.split(SPLIT) for i in tok.tokenize_str(piece)]
+        assert matcher.try_consume_tokens(ids) == len(ids), prefix
+        mask = allocate_token_bitmask(1, tok.vocab_size)
+        for _ in range(60):
+            fill_next_token_bitmask(matcher, mask, 0)
+            assert not matcher.is_error(), matcher.get_error()[:200]
+            bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")
+            allowed = np.flatnonzero(bits[: tok.vocab_size])
+            allowed = allowed[allowed != tok.eos_token]
+            if not len(allowed):
+                break
+            assert matcher.consume_token(int(rng.choice(allowed)))
+
+
 def test_mistral_headers_and_arrays(build):
     _check(
         build,
@@ -483,6 +789,21 @@ def _tool(name: str, props: dict[str, Any], **extra: Any) -> dict[str, Any]:
         ("minimax_m2", _tool("f", {"s": {"anyOf": [{"type": "string"}]}})),
         ("minimax_m2", _tool("f", {"s": {"type": "string", "enum": ["null"]}})),
         ("minimax_m2", _tool('f"', {})),
+        ("muse_spark", _tool('f"', {})),
+        ("muse_spark", _tool("f", {"s": {"enum": ["a</atem:parameter>"]}})),
+        ("kimi_k3", _tool("f&g", {})),
+        ("kimi_k3", _tool("f", {'a"b': {"type": "integer"}})),
+        ("gemma4", _tool("f.g", {})),
+        ("gemma4", _tool("f", {"a-b": {"type": "integer"}}, required=["a-b"])),
+        ("gemma4", _tool("f", {"s": {"type": "string", "pattern": "^a+$"}}, required=["s"])),
+        ("gemma4", _tool("f", {"s": {"anyOf": [{"type": "string"}]}}, required=["s"])),
+        (
+            "gemma4",
+            _tool("f", {"s": {"$ref": "#/$defs/s"}}, required=["s"], **{"$defs": {"s": {}}}),
+        ),
+        ("gemma4", _tool("f", {"s": {"type": "array", "uniqueItems": True}}, required=["s"])),
+        ("gemma4", _tool("f", {"s": {"enum": [["a"]]}}, required=["s"])),
+        ("gemma4", _tool("f", {}, minProperties=1)),
     ],
 )
 def test_tools_a_format_cannot_carry_take_the_generic_form(build, fmt, tool):
@@ -492,7 +813,10 @@ def test_tools_a_format_cannot_carry_take_the_generic_form(build, fmt, tool):
     assert tool_choice.generic_form(tf.request(tools=[tool]), tok)
 
 
-@pytest.mark.parametrize("fmt,tag", [("glm47", "</arg_value>"), ("minimax_m2", "</invoke>")])
+@pytest.mark.parametrize(
+    "fmt,tag",
+    [("glm47", "</arg_value>"), ("minimax_m2", "</invoke>"), ("muse_spark", "</atem:parameter>")],
+)
 def test_a_format_whose_tags_are_added_tokens_takes_the_generic_form(build, tmp_path, fmt, tag):
     """A raw value's lexeme ends with its closing tag as text; where the tokenizer has a tag as
     one added token, a forced call takes the generic form instead (`lark.spelled`)."""

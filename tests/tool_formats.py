@@ -61,6 +61,10 @@ _FUNCTION_GEMMA = _template(
     "Call as <start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>",
     f"<start_function_call>call:{_NAME}{{}}<end_function_call>",
 )
+_GEMMA4 = _template(
+    'Call as <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1,nested:{a:1}}<tool_call|>',
+    f"<|tool_call>call:{_NAME}{{}}<tool_call|>",
+)
 FORMATS: dict[str, Format] = {
     "json_tools": Format(
         ("<tool_call>", "</tool_call>"),
@@ -149,6 +153,34 @@ FORMATS: dict[str, Format] = {
         _FUNCTION_GEMMA,
         (("<issue_closed>", "<escape>"),),
     ),
+    "muse_spark": Format(
+        ("<atem:function_calls>", "</atem:function_calls>"),
+        _template(
+            'Call as <atem:function_calls>\n<atem:invoke name="NAME">\n'
+            '<atem:parameter name="K">V</atem:parameter>\n</atem:invoke>\n</atem:function_calls>',
+            f'<atem:function_calls>\n<atem:invoke name="{_NAME}">\n</atem:invoke>\n'
+            "</atem:function_calls>",
+        ),
+    ),
+    # NOTE: mlx-lm infers Kimi K3's XTML from the vocabulary, not the template (`<|open|>`,
+    # `<|sep|>`, `<|close|>` and `<|end_of_msg|>` tokens: `tokenizer_utils._is_xtml_vocab`): the
+    # markers renamed are two of its delimiters, added tokens as in the model's own tokenizer
+    "kimi_k3": Format(
+        ("<|open|>", "<|close|>"),
+        _template(
+            'Call as <|open|>tools<|sep|><|open|>call tool="NAME" index="0"<|sep|><|open|>argument '
+            'key="K" type="string"<|sep|>V<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools'
+            "<|sep|>",
+            f'<|open|>tools<|sep|><|open|>call tool="{_NAME}" index="0"<|sep|><|close|>call<|sep|>'
+            "<|close|>tools<|sep|>",
+        ),
+        (("<issue_closed>", "<|sep|>"), ("<jupyter_start>", "<|end_of_msg|>")),
+    ),
+    "gemma4": Format(("<|tool_call>", "<tool_call|>"), _GEMMA4),
+    # NOTE: Gemma 4's tokenizer has `<|"|>` as an added token: strings open and close with it
+    "gemma4_quote": Format(
+        ("<|tool_call>", "<tool_call|>"), _GEMMA4, (("<issue_closed>", '<|"|>'),)
+    ),
 }
 # NOTE: the default model's own template, which has no tool calling: the generic form
 GENERIC = "generic"
@@ -165,6 +197,10 @@ NATIVE = (
     "function_gemma",
     "function_gemma_escape",
     "minicpm5",
+    "muse_spark",
+    "kimi_k3",
+    "gemma4",
+    "gemma4_quote",
 )
 
 

@@ -14,13 +14,16 @@ from typing import Any
 
 from tokenizer_proc.tool_grammars import (
     function_gemma,
+    gemma4,
     glm47,
     json_tools,
     kimi_k2,
+    kimi_k3,
     longcat,
     minicpm5,
     minimax_m2,
     mistral,
+    muse_spark,
     pythonic,
     qwen3_coder,
 )
@@ -39,6 +42,9 @@ BUILDERS: dict[str, Builder] = {
     "longcat": longcat.grammar,
     "function_gemma": function_gemma.grammar,
     "minicpm5": minicpm5.grammar,
+    "muse_spark": muse_spark.grammar,
+    "kimi_k3": kimi_k3.grammar,
+    "gemma4": gemma4.grammar,
 }
 
 
