@@ -686,6 +686,11 @@ LONG_VALUES = [
     ("kimi_k3", '<|open|>tools<|sep|><|open|>call tool="note" index="0"<|sep|><|open|>argument key="text" type="string"<|sep|>'),
     ("gemma4", '<|tool_call>call:note{text:<|"|>'),
     ("gemma4_quote", "<|tool_call>call:note{text:" + SPLIT + '<|"|>' + SPLIT),
+    # NOTE: the trimmed raw values of `lark.free_text`, whose lengths were once intersected
+    ("minimax_m2", '<minimax:tool_call>' + SPLIT + '\n<invoke name="note">\n<parameter name="text">'),
+    ("glm47", "<tool_call>" + SPLIT + "note\n<arg_key>text</arg_key>\n<arg_value>"),
+    ("longcat", "<longcat_tool_call>" + SPLIT + "note\n<longcat_arg_key>text</longcat_arg_key>\n<longcat_arg_value>"),
+    ("minicpm5", '<function name="note">\n<param name="text">'),
 ]  # fmt: skip
 
 

@@ -1,9 +1,8 @@
 """`tool_choice` `required` and a named function: a forced call, each call's arguments held to
 its tool's JSON schema, as one Lark grammar for the scheduler's token masks.
 
-A model whose tool-call format has a grammar in `tool_grammars` (mlx-lm's `json_tools`,
-`qwen3_coder`, `mistral`, `pythonic`) is forced into its own syntax, parsed back by its own
-parser; a chat with a model that speaks gpt-oss's harmony format is forced into harmony's call
+A model whose tool-call format has a grammar in `tool_grammars` (every format mlx-lm parses:
+`tool_grammars.BUILDERS`) is forced into its own syntax, parsed back by its own parser; a chat with a model that speaks gpt-oss's harmony format is forced into harmony's call
 (`harmony_calls`), parsed back by channel (`harmony.HarmonyStream`). Any other model, with
 another format or none, or tools its format cannot carry (a name or schema it would not read
 back), is forced into a generic form the engine parses itself, as vLLM does: a JSON array of

@@ -68,13 +68,43 @@ def free_text(
 
     NOTE: one lexeme, the closing tag included: a lexeme is matched as long as it can be, so
     text followed by a literal closing tag would run on past it; ending at the first closing
-    tag it stops there. Intersection and negation (llguidance's `&` and `~`) are lexemes' own."""
+    tag it stops there. Intersection and negation (llguidance's `&` and `~`) are lexemes' own.
+    Trimmed, the lengths are inside the one regex: intersected with another, a `maxLength` of
+    100 made llguidance's lexer give up ("too many expressions constructed") at the value's
+    first mask, which ended the forced call there."""
     tag = regex_text(close)
-    body = "(?s:(\\S(?s:.*\\S)?)?)" if trimmed else _ANYTHING
+    lengths = _lengths(shortest, longest, tag)
+    body: str | None = _ANYTHING
+    if trimmed:
+        body, lengths = trimmed_regex(_EDGE, _EDGE, shortest, longest), []
+    if body is None:
+        body = "(?!)"  # NOTE: the lengths leave no text: a value never taken
     parts = [f"/{body}{tag}/", f"~/{_ANYTHING}{regex_text(cut or close)}(?s:.+)/", *_absent(never)]
     if not_null:
         parts.append(f"~/(?i:null){tag}/")
-    return " & ".join([*parts, *_lengths(shortest, longest, tag)])
+    return " & ".join([*parts, *lengths])
+
+
+# NOTE: a character a parser's strip() keeps: Python strips the ASCII separators \x1c-\x1f too,
+# which the regex `\S` keeps
+_EDGE = "[^\\s\\x{1c}-\\x{1f}]"
+
+
+def trimmed_regex(first: str, edge: str, shortest: int, longest: int | None) -> str | None:
+    """A regex of text opening with a `first` character and ending with an `edge` one (one
+    character: both the same), within `shortest`..`longest` characters; None where the lengths
+    leave none (nothing: the empty text only)."""
+    low, high = int(shortest), None if longest is None else int(longest)
+    alts = []
+    if low <= 1 and (high is None or high >= 1):
+        alts.append(first)
+    if high is None or high >= 2:
+        most = "" if high is None else high - 2
+        inner = "*" if high is None and low <= 2 else f"{{{max(low - 2, 0)},{most}}}"
+        alts.append(f"{first}(?s:.{inner}){edge}")
+    if not alts:
+        return None if low else ""
+    return f"(?:{'|'.join(alts)}){'?' if low == 0 else ''}"
 
 
 def bare_text(never: tuple[str, ...] = (), shortest: int = 0, longest: int | None = None) -> str:

@@ -39,7 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizer_proc.tool_grammars.kimi_k3 import is_text, think_start
-from tokenizer_proc.tool_grammars.lark import json_value, literal, regex_text, spelled
+from tokenizer_proc.tool_grammars.lark import (
+    json_value,
+    literal,
+    regex_text,
+    spelled,
+    trimmed_regex,
+)
 from tokenizer_proc.tool_grammars.minimax_m2 import NAME
 from tokenizer_proc.tool_grammars.schemas import finite, within_lengths
 from tokenizer_proc.tool_grammars.tagged import Tags, build
@@ -117,32 +123,13 @@ class Values:
 def _raw(never: tuple[str, ...], shortest: int, longest: int | None) -> str | None:
     """Raw text the parser reads back as itself, and the closing tag; None where the lengths
     leave none."""
-    body = _trimmed(shortest, longest)
+    body = trimmed_regex(_FIRST, _EDGE, shortest, longest)
     if body is None:
         return None
     tag = regex_text(CLOSE)
     absent = [f"~/{_ANY}{regex_text(t)}{_ANY}/" for t in never]
     cut, unread = f"~/{_ANY}{tag}(?s:.+)/", f"~/(?:{_JSON_TEXT}){tag}/"
     return " & ".join([f"/{body}{tag}/", cut, unread, *absent])
-
-
-def _trimmed(shortest: int, longest: int | None) -> str | None:
-    """A regex of text without whitespace at either end, opening with no `"`, `{` or `[`,
-    within the lengths.
-
-    NOTE: the lengths inside the one regex: intersected with another (`lark.free_text`'s way),
-    a length of 100 made llguidance's lexer give up ("too many expressions constructed")."""
-    low, high = int(shortest), None if longest is None else int(longest)
-    alts = []
-    if low <= 1 and (high is None or high >= 1):
-        alts.append(_FIRST)
-    if high is None or high >= 2:
-        most = "" if high is None else high - 2
-        inner = "*" if high is None and low <= 2 else f"{{{max(low - 2, 0)},{most}}}"
-        alts.append(f"{_FIRST}(?s:.{inner}){_EDGE}")
-    if not alts:
-        return None if low else ""
-    return f"(?:{'|'.join(alts)}){'?' if low == 0 else ''}"
 
 
 def _quoted(never: tuple[str, ...], shortest: int, longest: int | None) -> str:
