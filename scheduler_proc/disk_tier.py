@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 FLUSH_BYTES = 64 << 20
 QUEUED_BYTES = 1 << 30
 LOAD_BYTES = 256 << 20
+CLAIMS_KEPT = 1024  # NOTE: claims on files being loaded, before finished owners' are dropped
 
 
 @dataclass(eq=False)
@@ -66,6 +67,7 @@ class DiskLoad:
     n: int
     future: Future[Loaded]
     snapshot: int = 0
+    claim: bytes = b""  # NOTE: its first file's key (`DiskTier._claimed`)
 
 
 def block_format(pool: KVPool, block_tokens: int) -> BlockFormat:
@@ -96,6 +98,9 @@ class DiskTier:
         self.block = cache.block
         self._writes: list[_Write] = []
         self._load_blocks = max(1, LOAD_BYTES // cache.fmt.nbytes)
+        # NOTE: the request loading each load's first file (its key): another waiting request
+        # that would load it too waits for it instead (`_claimed`)
+        self._loading: dict[bytes, Req] = {}
 
     # -- out ---------------------------------------------------------------------------------------
     def retired(self, tokens: list[int], snapshot: list[mx.array] | None = None) -> None:
@@ -186,6 +191,7 @@ class DiskTier:
         if not req.disk.future.done() or in_flight:
             return True
         load, req.disk = req.disk, None
+        self._loading.pop(load.claim, None)
         full = self._promote(req.fill_ids, load)
         req.disk_checked = not full  # NOTE: a load cut at `LOAD_BYTES`: the next ones follow
         return False
@@ -206,9 +212,24 @@ class DiskTier:
         count = min(self.cache.present(keys, first), self._load_blocks)
         if count == 0:
             return False
+        if self._claimed(req, keys[first]):
+            return True
         future = self.cache.load(req.fill_ids, keys, first, count)
-        req.disk = DiskLoad(keys, first, count, future)
+        req.disk = DiskLoad(keys, first, count, future, claim=keys[first])
         return True
+
+    def _claimed(self, req: Req, key: bytes) -> bool:
+        """Whether another waiting request is loading the file `key` (`req` then waits and
+        asks again once those blocks are in: a burst of agents after a restart read their
+        shared system prompt once each); else `req` claims it."""
+        owner = self._loading.get(key)
+        if owner is not None and owner is not req and _loading(owner):
+            req.disk_checked = False
+            return True
+        if len(self._loading) >= CLAIMS_KEPT:  # NOTE: owners aborted while their files loaded
+            self._loading = {k: r for k, r in self._loading.items() if _loading(r)}
+        self._loading[key] = req
+        return False
 
     def _start_snapshot(self, req: Req, keys: list[bytes], limit: int, cached: int) -> bool:
         """With slots: load the longest snapshot on disk past the hit memory holds (its
@@ -228,8 +249,11 @@ class DiskTier:
                 first = min(cached, length) // b
                 if self.cache.present(keys, first) < k - first:
                     continue  # NOTE: a block before it is neither cached nor on disk
+                claim = keys[first] if first < k else key
+                if self._claimed(req, claim):
+                    return True
                 future = self.cache.load(tokens, keys, first, k - first, length)
-                req.disk = DiskLoad(keys, first, k - first, future, length)
+                req.disk = DiskLoad(keys, first, k - first, future, length, claim)
                 return True
         return False
 
@@ -303,6 +327,10 @@ class DiskTier:
     def stats(self) -> dict[str, int]:
         queued = sum(len(w.blocks) + (w.snapshot is not None) for w in self._writes)
         return {**self.cache.stats(), "kv_disk_queued_blocks": queued}
+
+
+def _loading(req: Req) -> bool:
+    return req.disk is not None and not req.finished
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

@@ -539,3 +539,25 @@ def test_the_front_door_tells_a_slotted_model_where_the_system_prompt_ends(
         assert chat(second, "a third") > 300
     finally:
         second.stop()
+
+
+def test_a_burst_after_a_restart_reads_the_shared_system_prompt_once(llama, tmp_path):
+    """Eight requests arriving together on a restarted engine, one system prompt on disk: one
+    of them loads its blocks, the others wait for them and hit them in memory (each read
+    them, 8x the bytes, before); every answer is mlx-lm's."""
+    system = _systems(7, 1, 700)[0]
+    rng = random.Random(8)
+    writer = _engine(llama, tmp_path)
+    _serve(writer, {"w": system + random_prompt(rng, 5)})
+    _stopped(writer)
+    burst = {f"b{i}": system + random_prompt(rng, 6 + i) for i in range(8)}
+    after = _engine(llama, tmp_path)
+    outs = _serve(after, burst)
+    for rid, prompt in burst.items():
+        assert tokens(outs[rid]) == reference_greedy(llama, prompt, 6)
+        assert outs[rid][-1].cached_tokens >= 700 // B * B
+    stats = after.stats()
+    blocks = 700 // B
+    assert stats["kv_disk_read_bytes"] == blocks * after.kv.disk.cache.fmt.nbytes
+    assert stats["kv_disk_hit_tokens"] == blocks * B
+    _stopped(after)
