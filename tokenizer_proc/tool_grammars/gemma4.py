@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizer_proc.tool_grammars.kimi_k3 import think_start
 from tokenizer_proc.tool_grammars.lark import (
     bare_text,
     free_text,
@@ -47,6 +46,7 @@ from tokenizer_proc.tool_grammars.lark import (
     marker,
     optional_list,
     spelled,
+    think_start,
 )
 from tokenizer_proc.tool_grammars.schemas import (
     ANNOTATIONS,

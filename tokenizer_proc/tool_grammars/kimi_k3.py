@@ -37,11 +37,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizer_proc.tool_grammars.lark import bare_text, json_value, literal
+from tokenizer_proc.tool_grammars.lark import bare_text, json_value, literal, think_start
 from tokenizer_proc.tool_grammars.schemas import (
-    ANNOTATIONS,
-    DEFS,
     finite,
+    is_text,
     named_params,
     types_of,
     within_lengths,
@@ -54,16 +53,6 @@ NAME = re.compile(r"[A-Za-z0-9_.:-]+")
 # NOTE: where a raw value's text would end something early: its argument, its call, a JSON block
 # the parser would read instead (the section's end and the think start come from the tokenizer)
 STOPS = ("<|close|>argument<|sep|>", "<|close|>call<|sep|>", "<|open|>json")
-_STRING_KEYS = frozenset({"minLength", "maxLength", "enum", "const"})
-
-
-def think_start(tokenizer: Any) -> tuple[str, ...]:
-    """The model's think start, where it has one: the engine cuts the text after it out of the
-    reply as a thought (`reasoning.ReasoningStream`), so no raw value may spell it."""
-    if not getattr(tokenizer, "has_thinking", False):
-        return ()
-    start = getattr(tokenizer, "think_start", None)
-    return (start,) if isinstance(start, str) and start else ()
 
 
 def grammar(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool) -> str | None:
@@ -148,17 +137,6 @@ class Xtml:
     def _fits(self, text: str, schema: dict[str, Any]) -> bool:
         """Whether `text`, written raw, is read back as itself within the schema's lengths."""
         return not any(t in text for t in self.never) and within_lengths(text, schema)
-
-
-def is_text(schema: dict[str, Any]) -> bool:
-    """Whether a value is written raw: a string, or an enum of strings, held to nothing raw
-    text cannot be (a pattern, a format: those are JSON)."""
-    if set(schema) - ANNOTATIONS - set(DEFS) - {"type"} - _STRING_KEYS:
-        return False
-    if "type" in schema:
-        return types_of(schema) == {"string"}
-    values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else []
-    return bool(values) and isinstance(values, list) and all(isinstance(v, str) for v in values)
 
 
 def _json_type(schema: dict[str, Any]) -> str:

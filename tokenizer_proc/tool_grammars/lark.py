@@ -44,6 +44,15 @@ def spelled(tokenizer: Any, texts: tuple[str, ...]) -> bool:
     return all(len(encode(text, add_special_tokens=False)) > 1 for text in texts)
 
 
+def think_start(tokenizer: Any) -> tuple[str, ...]:
+    """The model's think start, where it has one: the engine cuts the text after it out of the
+    reply as a thought (`reasoning.ReasoningStream`), so no raw value may spell it."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return ()
+    start = getattr(tokenizer, "think_start", None)
+    return (start,) if isinstance(start, str) and start else ()
+
+
 def regex_text(text: str) -> str:
     """`text` matched literally inside a Lark `/regex/`.
 

@@ -38,16 +38,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizer_proc.tool_grammars.kimi_k3 import is_text, think_start
 from tokenizer_proc.tool_grammars.lark import (
     json_value,
     literal,
     regex_text,
     spelled,
+    think_start,
     trimmed_regex,
 )
 from tokenizer_proc.tool_grammars.minimax_m2 import NAME
-from tokenizer_proc.tool_grammars.schemas import finite, within_lengths
+from tokenizer_proc.tool_grammars.schemas import finite, is_text, within_lengths
 from tokenizer_proc.tool_grammars.tagged import Tags, build
 
 CLOSE = "</atem:parameter>"

@@ -131,3 +131,18 @@ def _local_refs(schema: Any) -> bool:
     ):
         return False
     return all(_local_refs(v) for k, v in schema.items() if k not in _DATA)
+
+
+# NOTE: what a string's schema may hold and still be written as raw text
+STRING_KEYS = frozenset({"minLength", "maxLength", "enum", "const"})
+
+
+def is_text(schema: dict[str, Any]) -> bool:
+    """Whether a value is written raw: a string, or an enum of strings, held to nothing raw
+    text cannot be (a pattern, a format: those are JSON)."""
+    if set(schema) - ANNOTATIONS - set(DEFS) - {"type"} - STRING_KEYS:
+        return False
+    if "type" in schema:
+        return types_of(schema) == {"string"}
+    values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else []
+    return bool(values) and isinstance(values, list) and all(isinstance(v, str) for v in values)
