@@ -153,3 +153,15 @@ def test_sdk_chats_have_their_thought_apart_as_the_chat_route(tiny_think_model_d
     with EngineClient(transport=transport, timeout=30.0) as client:
         r = client.generate(**ask)
         assert (r.reasoning, r.text) == ("", f"{REASONING}</think>{FINAL}"), r
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 100])
+def test_a_marker_after_the_thought_or_inside_the_answer_is_text(cut):
+    """One thought, where the reply starts: a tool call's argument or an answer about this
+    markup may spell the markers, and stays answer text (it was read as a second thought,
+    which swallowed the rest of the reply)."""
+    text = '<think>plan</think>\n\n<tool_call>{"code": "<think>x</think> y"}</tool_call>'
+    assert _split(text, cut) == ("plan", '<tool_call>{"code": "<think>x</think> y"}</tool_call>')
+    assert _split("see <think>tags</think> here", cut) == ("", "see <think>tags</think> here")
+    assert _split("done</think>ok <think>no", cut, inside=True) == ("done", "ok <think>no")
+    assert _split("\n\n<think>a</think>b", cut)[0] == "a", "blank lines before a thought"

@@ -84,19 +84,27 @@ def _rfind(ids: Sequence[int], seq: tuple[int, ...]) -> int:
 
 
 class ReasoningStream:
-    """Splits generated text into (reasoning, answer); `inside`: the prompt opened the thought."""
+    """Splits generated text into (reasoning, answer); `inside`: the prompt opened the thought.
+
+    One thought, where a reply starts: once it ended, or the answer began, a think marker is
+    text. A tool call's argument or an answer about these models' own markup may spell
+    `<think>`; read as a thought's start it swallowed the rest of the reply."""
 
     def __init__(self, markers: Markers, inside: bool = False) -> None:
         self.markers = markers
         self.inside = inside
         self._buf = ""
         self._lead = False  # NOTE: right after a thought: the template's blank line is dropped
+        self._answering = False  # NOTE: the thought is over (or there was none): all is answer
 
     def feed(self, text: str) -> tuple[str, str]:
         """Reasoning and answer text that are final now."""
         self._buf += text
         reasoning: list[str] = []
         answer: list[str] = []
+        if self._answering:
+            self._take(self._buf, reasoning, answer)
+            self._buf = ""
         while self._buf:
             marker = self.markers.end if self.inside else self.markers.start
             at = self._buf.find(marker)
@@ -106,9 +114,17 @@ class ReasoningStream:
                 self._buf = self._buf[at:]
                 break
             self._take(self._buf[:at], reasoning, answer)
+            if self._answering:  # NOTE: answer text came first: this start marker is text
+                self._take(self._buf[at:], reasoning, answer)
+                self._buf = ""
+                break
             self._buf = self._buf[at + len(marker) :]
             self._lead = self.inside
+            self._answering = self.inside
             self.inside = not self.inside
+            if self._answering:
+                self._take(self._buf, reasoning, answer)
+                self._buf = ""
         return "".join(reasoning), "".join(answer)
 
     def finish(self) -> tuple[str, str]:
@@ -126,4 +142,5 @@ class ReasoningStream:
         if self._lead:
             text = text.lstrip("\n")
             self._lead = not text
+        self._answering = self._answering or bool(text.strip())
         answer.append(text)
