@@ -30,7 +30,7 @@ import json
 import re
 from typing import Any, NamedTuple
 
-from tokenizer_proc.tool_calls import openai_call, partial_suffix
+from tokenizer_proc.call_text import openai_call, partial_suffix
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizer_proc import harmony
-from tokenizer_proc.tool_calls import partial_suffix
+from tokenizer_proc.call_text import partial_suffix
 
 PARSERS = ("auto", "harmony", "none")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.messages.to_tokenizer import Generate
 from tokenizer_proc import tool_choice
+from tokenizer_proc.call_text import openai_call, partial_suffix
 
 log = logging.getLogger("tokenizer")
 
@@ -106,22 +107,6 @@ def new_id(parser: Parser) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def openai_call(name: Any, args: Any, index: int, ident: str | None = None) -> dict[str, Any]:
-    """A parsed call in OpenAI's form; ValueError when it cannot be one (a name that is not a
-    string, arguments with a number JSON cannot hold: Python reads `1e400` as inf)."""
-    if not isinstance(name, str):
-        raise ValueError(f"a tool call's name must be a string, got {name!r}")
-    return {
-        "index": index,
-        "id": ident or f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {
-            "name": name,
-            "arguments": args if isinstance(args, str) else json.dumps(args, allow_nan=False),
-        },
-    }
-
-
 class JsonCalls:
     """A forced call in the generic form (`tool_choice._generic`): the whole reply is a JSON
     array of `{"name", "parameters"}`, parsed at its end. A reply that does not parse (cut by
@@ -193,14 +178,6 @@ def _bare_call(item: dict[str, Any], index: int) -> dict[str, Any]:
     if set(item) - {"name", "parameters", "arguments", "type"}:
         raise KeyError("not a call")
     return openai_call(item["name"], args, index)
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 Stream = ToolCallStream | JsonCalls | BareJsonCalls

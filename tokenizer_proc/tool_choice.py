@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.constraints import FIELDS, JSON_STYLE
 from engine.errors import InvalidRequest
-from tokenizer_proc import tool_grammars
+from tokenizer_proc import harmony, harmony_calls, tool_grammars
 from tokenizer_proc.tool_grammars.schemas import call_schema
 
 
@@ -109,9 +109,6 @@ def _native(tokenizer: Any, tools: list[dict[str, Any]], parallel: bool, chat: b
 
     NOTE: a chat only: only a chat's reply is parsed by channel (`reply_split.for_sdk` splits
     no prompt's), and the grammar starts after the template's generation prompt."""
-    # NOTE: imported here: harmony imports tool_calls, which imports this module
-    from tokenizer_proc import harmony, harmony_calls
-
     if chat and harmony.speaks(tokenizer):
         return harmony_calls.grammar(tokenizer, tools)
     return tool_grammars.native(tokenizer, tools, parallel)
