@@ -128,21 +128,13 @@ class KVManager:
 
     def snapshot_at(self, req: Req) -> None:
         """The request's slot holds exactly its first `snap_at` fill tokens: keep a copy (for
-        the disk too, now or, when they are not cached yet, once its prompt is)."""
+        the disk too, once its prompt body is cached: `snap_at` lies within it)."""
         if req.snap_at is not None:
             tokens = req.fill_ids[: req.snap_at]
             snapshot = self._snapshot(req, tokens)
             if self.disk is not None and snapshot is not None:
                 req.snap_pending = (tokens, snapshot)
-                if self._cached(tokens):
-                    self._to_disk(*req.snap_pending)
-                    req.snap_pending = None
         req.snap_at = None
-
-    def _cached(self, tokens: list[int]) -> bool:
-        return self.prefix is not None and self.prefix.tree.match_prefix(tokens).length == len(
-            tokens
-        )
 
     def _boundary(self, req: Req):
         snaps, w = self.snapshots, self.align

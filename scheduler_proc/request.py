@@ -36,8 +36,8 @@ class Req:
     preemptions: int = 0
     snap_at: int | None = None  # a position to snapshot its slot at (a shared prefix's end)
     shared: int = 0  # prompt tokens other conversations share (its system prompt), if known
-    # NOTE: a snapshot taken at `snap_at` before its tokens were in the tree, for the disk tier
-    # once the prompt is cached (`KVManager.publish`)
+    # NOTE: a snapshot taken at `snap_at`, for the disk tier once the prompt body (which holds
+    # its tokens) is cached (`KVManager.publish`)
     snap_pending: Any = None
     seated: int = 0  # seating order while it runs (the newest is preempted first)
     output_ids: list[int] = field(default_factory=list)

@@ -47,8 +47,9 @@ class SlotSnapshots:
 
     def put(self, tokens: list[int], arrays: list[mx.array]) -> None:
         """Keep `arrays` as the snapshot of `tokens` (taken here, or read from disk)."""
-        self._store[_key(tokens)] = (tuple(tokens), arrays)
-        self._store.move_to_end(_key(tokens))
+        key = _key(tokens)
+        self._store[key] = (tuple(tokens), arrays)
+        self._store.move_to_end(key)
         while len(self._store) > self.capacity:
             self._store.popitem(last=False)
 
