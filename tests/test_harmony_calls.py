@@ -9,7 +9,6 @@ analysis message). Through a launched engine: tests/test_harmony.py."""
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import shutil
@@ -27,7 +26,6 @@ from template_models import EOS, make_template_tokenizer
 from engine.messages.to_client import Chunk
 from engine.messages.to_tokenizer import Generate
 from engine.random_model import TINY_LLAMA, TOKENIZER_FILES, make_random_model
-from engine.tokenizer_loader import load_tokenizer
 from tokenizer_proc import harmony_calls, tool_choice
 from tokenizer_proc.harmony import CALL, CHANNEL, END, MESSAGE, START
 from tokenizer_proc.prepare import token_ids
@@ -82,16 +80,7 @@ def opened(tmp_path_factory, default_model_dir: Path) -> Path:
     return make_call_model(tmp_path_factory.mktemp("harmony-opened"), default_model_dir)
 
 
-@functools.cache
-def _tok(model_dir: Path) -> Any:
-    return load_tokenizer(model_dir)
-
-
-@functools.cache
-def _llg_tokenizer(model_dir: Path) -> Any:
-    from llguidance import LLTokenizer
-
-    return LLTokenizer(str(model_dir / "tokenizer.json"))
+_tok, _llg_tokenizer = tf.tokenizer_of, tf.llg_tokenizer
 
 
 # --- reading a reply back as the engine does ---------------------------------------------------

@@ -7,7 +7,6 @@ front door (in-process, OpenAI's stream, Anthropic's tool_use blocks)."""
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -102,16 +101,7 @@ def test_sampled_forced_calls_parse_and_hold_to_their_schemas(samplers, fmt):
 # --- what each grammar must refuse -------------------------------------------------------------
 
 
-@functools.cache
-def _tok(model_dir: Path) -> Any:
-    return load_tokenizer(model_dir)
-
-
-@functools.cache
-def _llg_tokenizer(model_dir: Path) -> Any:
-    from llguidance import LLTokenizer
-
-    return LLTokenizer(str(model_dir / "tokenizer.json"))
+_tok, _llg_tokenizer = tf.tokenizer_of, tf.llg_tokenizer
 
 
 SPLIT = "\x00"  # NOTE: where a text is tokenized apart (`_accepts`)

@@ -11,6 +11,7 @@ parser of the format) and validates each call's arguments against its tool's sch
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -24,6 +25,7 @@ from tool_model import _rename_tokens
 
 from engine.messages.to_tokenizer import Generate
 from engine.random_model import TINY_LLAMA, make_random_model
+from engine.tokenizer_loader import load_tokenizer
 from tokenizer_proc import tool_calls, tool_choice
 
 _CHAT = (
@@ -223,6 +225,20 @@ def make_format_model(
         names = {"<issue_start>": start, "<issue_comment>": end, **dict(spec.tags)}
         _rename_tokens(out, {k: v for k, v in names.items() if k != v}, spec.template)
     return out
+
+
+@functools.cache
+def tokenizer_of(model_dir: Path) -> Any:
+    """A format model's tokenizer, loaded once per test session."""
+    return load_tokenizer(model_dir)
+
+
+@functools.cache
+def llg_tokenizer(model_dir: Path) -> Any:
+    """llguidance's tokenizer of a format model, for checking its grammars' masks."""
+    from llguidance import LLTokenizer
+
+    return LLTokenizer(str(model_dir / "tokenizer.json"))
 
 
 # --- the tools calls are forced to ------------------------------------------------------------
