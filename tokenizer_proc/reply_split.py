@@ -96,14 +96,10 @@ class ReplySplit:
 
 
 def _harmony_call(gen: tt.Generate, tokenizer: Any) -> bool:
-    """Whether the request forces a call in harmony's syntax (a chat on a model that speaks it,
-    its call not in the generic form)."""
-    return (
-        gen.messages is not None
-        and tool_choice.forced(gen)
-        and harmony.speaks(tokenizer)
-        and not tool_choice.generic_form(gen, tokenizer)
-    )
+    """Whether the request forces a call on a chat with a model that speaks harmony: in its
+    syntax unless the call takes the generic form, whose parser (`JsonCalls`, from
+    `tool_calls.for_request`) `begin` keeps."""
+    return gen.messages is not None and tool_choice.forced(gen) and harmony.speaks(tokenizer)
 
 
 def for_sdk(gen: tt.Generate, tokenizer: Any, markers: Markers | None) -> ReplySplit | None:
