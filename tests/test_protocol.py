@@ -155,7 +155,7 @@ def test_the_front_door_checks_tokenized_prompts_against_the_model_too():
 def test_a_chats_shared_prefix_is_its_leading_system_messages_as_the_template_writes_them(
     default_model_dir,
 ):
-    """`prepare.prompt(shared=True)`: the tokens of the system messages before the first other
+    """`prepare.prompt(shared=prepare.shared_prefix)`: the tokens of the system messages before the first other
     message, when the template writes them alone as it writes them in the chat; 0 when no such
     message leads others."""
     from engine.tokenizer_loader import load_tokenizer
@@ -166,7 +166,9 @@ def test_a_chats_shared_prefix_is_its_leading_system_messages_as_the_template_wr
     user = {"role": "user", "content": "Fix the test."}
 
     def shared(messages: list[dict]) -> tuple[int, list[int]]:
-        got = prepare.prompt(tt.Generate("r", messages=messages), tok, 49152, 8192, shared=True)
+        got = prepare.prompt(
+            tt.Generate("r", messages=messages), tok, 49152, 8192, shared=prepare.shared_prefix
+        )
         return got.shared, got.ids
 
     n, ids = shared([system, user])
@@ -177,3 +179,47 @@ def test_a_chats_shared_prefix_is_its_leading_system_messages_as_the_template_wr
     assert shared([user, system, user])[0] == 0, "a system message that does not lead"
     plain = prepare.prompt(tt.Generate("r", messages=[system, user]), tok, 49152, 8192)
     assert plain.shared == 0 and plain.ids == ids, "not asked: not rendered twice"
+
+
+class DayTemplate:
+    """A chat template that writes the day first (as templates with `strftime_now` do), then
+    one token per message."""
+
+    def __init__(self) -> None:
+        self.day = 7
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, **kwargs):
+        ids = [self.day] + [len(m["content"]) for m in messages]
+        return ids + [1] * add_generation_prompt
+
+
+def test_a_system_prompts_head_is_rendered_once_and_again_when_the_template_changes_it():
+    """`SharedHeads`: agents resending one system prompt render its head once, not once per
+    turn; a kept head that no longer begins the prompt (the template's date moved on) is rendered
+    again, never answered stale; another system prompt is its own head."""
+    from tokenizer_proc import prepare
+    from tokenizer_proc.shared_heads import SharedHeads
+
+    tok, heads = DayTemplate(), SharedHeads()
+    system = {"role": "system", "content": "be brief"}
+
+    def shared(*messages: dict) -> int:
+        req = tt.Generate("r", messages=list(messages))
+        got = prepare.prompt(req, tok, 49152, 8192, shared=heads)
+        uncached = prepare.prompt(req, tok, 49152, 8192, shared=prepare.shared_prefix)
+        assert got == uncached
+        return got.shared
+
+    for turn in range(1, 6):
+        user = [{"role": "user", "content": "x" * turn}, {"role": "assistant", "content": "ok"}]
+        assert shared(system, *user) == 2
+    assert heads.rendered == 1, "one render for every turn under one system prompt"
+    tok.day = 8
+    assert shared(system, {"role": "user", "content": "hi"}) == 2 and heads.rendered == 2
+    assert shared({"role": "system", "content": "be long"}, {"role": "user", "content": "hi"})
+    assert heads.rendered == 3
+    small = SharedHeads(kept=1)
+    hi = {"role": "user", "content": "hi"}
+    assert small([system, hi], tok, None, {}, [8, 8, 2, 1]) == 2
+    assert small([{"role": "system", "content": "a"}, hi], tok, None, {}, [8, 1, 2, 1]) == 2
+    assert len(small._heads) == 1, "no more heads kept than asked"

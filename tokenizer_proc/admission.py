@@ -27,6 +27,7 @@ from tokenizer_proc import effort, limits, prepare, reasoning, reply_split, tool
 from tokenizer_proc.core import FrontDoor
 from tokenizer_proc.reply_split import ReplySplit
 from tokenizer_proc.requests import Entry
+from tokenizer_proc.shared_heads import SharedHeads
 
 log = logging.getLogger("tokenizer")
 
@@ -44,6 +45,7 @@ class Admission:
     def __init__(self, core: FrontDoor, config: EngineConfig, tokenizer: Any) -> None:
         """`tokenizer`: None where every prompt comes as token ids (`OfflineEngine`)."""
         self.core, self.config, self.tokenizer = core, config, tokenizer
+        self.heads = SharedHeads()
         self.markers = reasoning.markers_of(tokenizer, config.reasoning_parser)
 
     def admit(self, msg: Generate, entry: Entry) -> Admitted:
@@ -130,7 +132,7 @@ class Admission:
             self.tokenizer,
             limit.vocab_size,
             limit.max_context,
-            shared=limit.snapshot_hits,
+            shared=self.heads if limit.snapshot_hits else None,
         )
 
     def fail(self, rid: str, error: Exception) -> EngineError:

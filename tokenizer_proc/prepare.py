@@ -40,6 +40,10 @@ def converted_tools(
     return out
 
 
+# NOTE: `shared_prefix`'s signature: (messages, tokenizer, tools, template kwargs, ids) -> count
+SharedCount = Callable[[list[dict[str, Any]], Any, Any, dict[str, Any], list[int]], int]
+
+
 class Prompt(NamedTuple):
     ids: list[int]
     shared: int = 0  # NOTE: its first tokens other conversations share (`shared_prefix`)
@@ -59,10 +63,11 @@ def prompt(
     vocab_size: int,
     max_context: int,
     generation_prompt: bool = True,
-    shared: bool = False,
+    shared: SharedCount | None = None,
 ) -> Prompt:
-    """The request's prompt tokens; `shared`: and how many of them a chat shares with other
-    conversations (`shared_prefix`)."""
+    """The request's prompt tokens; with `shared` (`shared_prefix`, or one that keeps its
+    answers: `shared_heads.SharedHeads`), how many of them a chat shares with other
+    conversations."""
     source = source_of(req)
     if req.tools is not None:
         check_tools(req.tools)
@@ -77,8 +82,8 @@ def prompt(
         if tools and _told(req, tokenizer):
             messages, tools = tools_told(messages, tools), None
         ids = _from_messages(messages, tokenizer, tools, generation_prompt, extra)
-        if shared:
-            head = shared_prefix(messages, tokenizer, tools, extra, ids)
+        if shared is not None:
+            head = shared(messages, tokenizer, tools, extra, ids)
             return Prompt(check_prompt(ids, vocab_size, max_context, source), head)
     elif req.prompt is not None:
         ids = _from_prompt(req.prompt, tokenizer)
@@ -108,9 +113,7 @@ def shared_prefix(
 
     NOTE: a model that hits only at slot snapshots (window rings, recurrent state) snapshots
     there, so the next conversation hits there (`KVManager._snap_point`)."""
-    lead = 0
-    while lead < len(messages) and messages[lead].get("role") in LEADING_ROLES:
-        lead += 1
+    lead = leading(messages)
     if lead == 0 or lead == len(messages):
         return 0
     try:
@@ -119,6 +122,14 @@ def shared_prefix(
         return 0  # NOTE: a template that will not write system messages alone
     n = len(head)
     return n if 0 < n < len(ids) - 1 and ids[:n] == head else 0
+
+
+def leading(messages: list[dict[str, Any]]) -> int:
+    """How many system (or developer) messages lead the chat."""
+    lead = 0
+    while lead < len(messages) and messages[lead].get("role") in LEADING_ROLES:
+        lead += 1
+    return lead
 
 
 def _renders_tools(tokenizer: Any) -> bool:
