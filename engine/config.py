@@ -348,8 +348,6 @@ class EngineConfig:
             raise ValueError("--kv-cache-dir is the radix cache's disk tier: not with it off")
         if self.tp > 1 or self.tp_hostfile:
             raise ValueError("--kv-cache-dir with tensor parallel is not supported yet")
-        if self.spec == "draft":
-            raise ValueError("--kv-cache-dir with --spec draft is not supported yet")
         import os
         from pathlib import Path
 

@@ -100,6 +100,28 @@ def test_a_restarted_engine_reads_the_prefix_from_disk_and_answers_the_same(llam
     _stopped(after)
 
 
+def test_a_draft_model_speculates_on_a_prefix_read_from_disk(llama, tmp_path):
+    """`--spec draft` with the disk tier: after a restart the prefix comes from disk (target
+    KV only: the draft computes its own KV for a row's whole context when the row first
+    speculates), and the draft, the model itself here, still has every proposal accepted:
+    its KV over the loaded blocks is right, and the answer is mlx-lm's."""
+    system = _systems(4, 1, 600)[0]
+    rng = random.Random(5)
+    first, second = system + random_prompt(rng, 12), system + random_prompt(rng, 30)
+    spec = dict(spec="draft", draft_model="(in memory)", spec_k=4, draft=llama)
+    before = _engine(llama, tmp_path, **spec)
+    assert tokens(_serve(before, {"a": first}, 12)["a"]) == reference_greedy(llama, first, 12)
+    _stopped(before)
+    after = _engine(llama, tmp_path, **spec)
+    out = _serve(after, {"b": second}, 12)["b"]
+    assert tokens(out) == reference_greedy(llama, second, 12)
+    stats = after.stats()
+    assert out[-1].cached_tokens == 600 // B * B == stats["kv_disk_hit_tokens"]
+    assert stats["spec_draft_caught_up_tokens"] >= len(second)
+    assert 0 < stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"], stats
+    _stopped(after)
+
+
 def test_a_prefix_partly_in_memory_continues_from_disk(llama, tmp_path):
     """Memory holds a prompt's first 300 tokens (blocks and a part), the disk the blocks after:
     the next prompt sharing them takes both, the loaded blocks joining the tree after the
