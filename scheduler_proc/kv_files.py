@@ -110,4 +110,8 @@ def _arrays(payload: memoryview, specs: Any) -> list[np.ndarray]:
 
 
 def _bytes(a: np.ndarray) -> memoryview:
+    """An array's bytes in order; an empty array's none (a snapshot at a block's end has no
+    tail tokens: a memoryview of zero length cannot be cast)."""
+    if a.size == 0:
+        return memoryview(b"")
     return memoryview(np.ascontiguousarray(a)).cast("B")  # type: ignore[arg-type]

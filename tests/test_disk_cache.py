@@ -438,6 +438,36 @@ def _snapshot(sched: Scheduler, prefix: list[int]) -> list[np.ndarray]:
     return [np.array(a.astype(mx.float32)) for a in arrays]
 
 
+def test_a_snapshot_at_a_blocks_end_goes_to_disk_and_back(slotted, tmp_path):
+    """A snapshot taken where a block ends has no tokens after the block (its K/V tail is
+    empty): it is written all the same, and after a restart a prompt sharing that prefix hits
+    there. (An empty tail once failed the write, and such a prefix was computed again.)"""
+    rng = random.Random(17)
+    first = random_prompt(rng, 2 * B + 1)  # NOTE: its body, all but the last token: 2 blocks
+    before = _engine(slotted, tmp_path)
+    _serve(before, {"a": first})
+    _stopped(before)
+    assert any(f"+{2 * B}+" in f.name for f in tmp_path.rglob("*.kv")), "no snapshot at 2B"
+    taken = _snapshot(before, first[:-1])
+    # NOTE: the same with its blocks on disk already: the snapshot alone is written
+    for f in tmp_path.rglob(f"*+{2 * B}+*.kv"):
+        f.unlink()
+    again = _engine(slotted, tmp_path)
+    _serve(again, {"a": first})
+    _stopped(again)
+    assert any(f"+{2 * B}+" in f.name for f in tmp_path.rglob("*.kv")), "not written again"
+
+    other = first[:-1] + random_prompt(rng, 7)
+    alone = make_scheduler(slotted, page_size=PAGE, disable_radix_cache=True)
+    want = tokens(_serve(alone, {"other": other})["other"])
+    after = _engine(slotted, tmp_path)
+    got = _serve(after, {"other": other})["other"]
+    assert tokens(got) == want and got[-1].cached_tokens == 2 * B
+    for a, b in zip(taken, _snapshot(after, first[:-1]), strict=True):
+        assert np.array_equal(a, b), "the slot read back is not the slot written"
+    _stopped(after)
+
+
 def test_a_restart_reads_a_slots_snapshot_with_the_blocks_before_it(slotted, tmp_path):
     """An agent's turn served, the engine restarted on the same folder: the next turn (the
     last prompt, the reply and a new message) loads the blocks and the snapshot taken when the
