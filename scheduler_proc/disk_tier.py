@@ -159,9 +159,9 @@ class DiskTier:
                 slots += m.slots[k * b : (k + 1) * b]
             if job.snapshot is not None:  # NOTE: the tokens after the last whole block
                 slots += m.slots[len(job.tokens) // b * b :]
-        # NOTE: nothing to read (the blocks on disk, a snapshot at a block's end): each array
-        # empty, so such a snapshot's tail is its K/V of no tokens, as its format says
-        arrays = [_host(a) for a in self.pool.read_tokens(slots)] if slots else self._empty()
+        # NOTE: no slots (the blocks on disk, a snapshot at a block's end) reads each array
+        # empty: such a snapshot's tail is its K/V of no tokens, as its format says
+        arrays = [_host(a) for a in self.pool.read_tokens(slots)]
         at = 0
         for job in take:
             self.prefix.tree.unlock(job.node)
@@ -177,9 +177,6 @@ class DiskTier:
                 anchor = self.cache.anchor(job.keys, len(job.tokens))
                 state = [_host(a) for a in job.snapshot]
                 self.cache.store_snapshot(job.tokens, len(job.tokens), anchor, kv + state)
-
-    def _empty(self) -> list[np.ndarray]:
-        return [_host(a[:, :0]) for a in self.pool.paged_arrays()]
 
     def drop_queued(self) -> None:
         """Queued blocks forgotten (the model changes: their KV is the old model's)."""
