@@ -17,13 +17,18 @@ def openai_call(name: Any, args: Any, index: int, ident: str | None = None) -> d
         raise ValueError(f"a tool call's name must be a string, got {name!r}")
     return {
         "index": index,
-        "id": ident or f"call_{uuid.uuid4().hex[:24]}",
+        "id": ident or call_id(),
         "type": "function",
         "function": {
             "name": name,
             "arguments": args if isinstance(args, str) else json.dumps(args, allow_nan=False),
         },
     }
+
+
+def call_id() -> str:
+    """A fresh call id in OpenAI's shape."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -14,13 +14,12 @@ import json
 import logging
 import secrets
 import string
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 from engine.messages.to_tokenizer import Generate
 from tokenizer_proc import tool_choice
-from tokenizer_proc.call_text import openai_call, partial_suffix
+from tokenizer_proc.call_text import call_id, openai_call, partial_suffix
 
 log = logging.getLogger("tokenizer")
 
@@ -104,7 +103,7 @@ def new_id(parser: Parser) -> str:
     """A fresh id for a call parsed by `parser`, in the shape its model's template takes back."""
     if getattr(parser, "__module__", "").rsplit(".", 1)[-1] == "mistral":
         return "".join(secrets.choice(MISTRAL_ID_CHARS) for _ in range(9))
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return call_id()
 
 
 class JsonCalls:
