@@ -199,8 +199,8 @@ class _RaggedView:
         # shape and strides, and a slice of the pool has other strides than the warm-up's.
         self.causal = causal and one and plan.starts[0] + plan.width == kv_len
         # NOTE: several such rows (lone chunks, each from a multiple of the width): each row
-        # attends on its own over its keys, `starts[i] + width` (`by_rows`), gathered alone so
-        # its attention has a lone chunk's shape; the padded batch's gather is not made.
+        # attends on its own over its keys, `starts[i] + width` (`by_rows`), in a lone chunk's
+        # shape (`_lone_parts`); the padded batch's gather is not made.
         self.by_rows = causal and not one
         # NOTE: `fresh`: every row starts at position 0, so a full layer's keys are the chunk's
         # own, right-padded; a causal mask is exact for every real query (padding only follows
@@ -235,6 +235,7 @@ class _RaggedView:
         self.grouped = self.by_rows or self._split is not None
         self._group_reads: list[_GroupReads] | None = None
         self._group_order: mx.array | None = None
+        self._lone_rows: list[list[int]] = []  # NOTE: `_lone_reads`' groups, as row numbers
 
     def _write_slots(self, tables: np.ndarray) -> np.ndarray:
         """Slot of every (row, query) position, row-major; padding to the scratch page.
@@ -256,22 +257,49 @@ class _RaggedView:
         """A full layer's attention in parts (`grouped`), from its buffers after the write."""
         if self._group_reads is None:  # NOTE: once per forward, shared by every layer
             if self.by_rows:
-                self._group_reads = [self._lone_reads(i) for i in range(len(self.plan.slots))]
+                self._group_reads = self._lone_reads()
             elif self._split is not None:
                 self._group_reads = [self._decode_reads(g) for g in self._split]
                 order = np.argsort([i for g in self._split for i in g]).astype(np.int32)
                 self._group_order = mx.array(order)
             else:
                 return None
+        if self.by_rows:
+            return Groups(self._lone_parts(keys, values))
         parts = [self._group(r, keys, values) for r in self._group_reads]
         return Groups(parts, self._group_order)
 
-    def _lone_reads(self, i: int) -> _GroupReads:
-        """Row i reads keys `[0, starts[i] + width)`, gathered alone (a lone chunk's shape,
-        whose graph the warm-up built); its queries are the last of them."""
-        n = self.plan.starts[i] + self._t
-        pages = self._tables[i : i + 1, : self.pool.pages_for(n)]
-        return _GroupReads(slice(i, i + 1), [self.plan.tables[i]], pages, n, False, "causal")
+    def _lone_reads(self) -> list[_GroupReads]:
+        """Row i reads keys `[0, starts[i] + width)`, its queries the last of them. Rows that
+        read as many keys are gathered (and dequantized) together, once a layer.
+
+        NOTE: gathering each row alone cost 34 ms a step of 16 rows x 16 layers (H100, 1B
+        shape, 512-token chunks over 1.5-3k keys) and 72-91 ms with 8-bit pages (three parts
+        and a dequantize a row): 16 long prompts took 1.35x as long quantized. Gathered by
+        like rows: 19-26 ms plain, 15-39 ms quantized (`scripts/bench_lone_reads.py`)."""
+        plan, by_keys = self.plan, dict[int, list[int]]()
+        for i, start in enumerate(plan.starts):
+            by_keys.setdefault(start + self._t, []).append(i)
+        self._lone_rows = list(by_keys.values())
+        reads = []
+        for n, rows in by_keys.items():
+            index = mx.array(np.asarray(rows, dtype=np.int32))
+            pages = self._tables[index][:, : self.pool.pages_for(n)]
+            tables = [plan.tables[i] for i in rows]
+            reads.append(_GroupReads(index, tables, pages, n, False, "causal"))
+        return reads
+
+    def _lone_parts(self, keys: Buffer, values: Buffer) -> list[RowGroup]:
+        """One part a row, in row order, each a lone chunk's keys: contiguous, so its attention
+        has the shape and strides whose graph the warm-up built (cuDNN builds one per strides:
+        a row's view into its group's gather cost a ~70 ms build the first time)."""
+        parts: dict[int, RowGroup] = {}
+        for r, rows in zip(self._group_reads or [], self._lone_rows, strict=True):
+            g = self._group(r, keys, values)
+            for j, i in enumerate(rows):
+                k, v = (mx.contiguous(a[j : j + 1]) for a in (g.keys, g.values))
+                parts[i] = RowGroup(slice(i, i + 1), k, v, "causal")
+        return [parts[i] for i in range(len(self.plan.starts))]
 
     def _decode_reads(self, rows: list[int]) -> _GroupReads:
         """What decode rows `rows` read: keys up to the longest of them, through their pages

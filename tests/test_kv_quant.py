@@ -157,6 +157,29 @@ def test_a_prefix_hit_reads_the_cached_codes(llama):
     assert_pages_balanced(sched)
 
 
+def test_lone_chunks_several_a_step_read_their_own_quantized_keys(llama):
+    """`--long-prefill-chunk` with 8-bit pages: rows whose lone chunks read as many keys are
+    gathered and dequantized together, then each attends on its own; every logprob is the
+    padded prefill's (lone chunks off) on the same codes, and several rows ran in one step."""
+    rng = random.Random(5)
+    prompts = {f"r{i}": random_prompt(rng, 150 + 29 * i) for i in range(4)}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    def logprobs(sched) -> dict[str, list[float]]:
+        outs = drive(sched, {0: [(rid, p, params) for rid, p in prompts.items()]})
+        return {rid: [lp.logprob for o in outs[rid] for lp in o.logprobs] for rid in prompts}
+
+    kw = dict(kv_bits=8, page_size=16, chunked_prefill_size=64, max_prefill_tokens=256)
+    lone = make(llama, long_prefill_chunk=32, **kw)
+    rows: list[int] = []
+    lone.on_launch = lambda b: rows.append(len(b.slices)) if b.slices and b.slices[0].lone else 0
+    got = logprobs(lone)
+    assert max(rows) > 1, rows
+    want = logprobs(make(llama, long_prefill_chunk=-1, **kw))
+    for rid in prompts:
+        assert got[rid] == pytest.approx(want[rid], abs=1e-4), rid
+
+
 def test_the_disk_tier_keeps_quantized_blocks_bit_for_bit(llama, tmp_path):
     rng = random.Random(2)
     system = random_prompt(rng, 300)

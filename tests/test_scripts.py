@@ -23,7 +23,12 @@ def test_launch_script_passes_options_through_to_the_cli():
     assert "--zmq-port" in done.stdout and "--max-running-requests" in done.stdout
 
 
-NO_MODEL = ("bench_kv_cache.py", "bench_decode_attention.py", "bench_prefill_attention.py")
+NO_MODEL = (
+    "bench_kv_cache.py",
+    "bench_decode_attention.py",
+    "bench_prefill_attention.py",
+    "bench_lone_reads.py",
+)
 # NOTE: scripts that launch the engine or build token masks need a model with its tokenizer
 WITH_TOKENIZER = (
     "bench_agent.py",
@@ -51,6 +56,10 @@ SCRIPT_RUNS = {
         *("--waves", "1", "--set", "max_total_tokens=4096"),
     ],
     "bench_prefill_attention.py": ["--shapes", "2x4x16", "--heads", "4", "--kv-heads", "2"],
+    "bench_lone_reads.py": [
+        *("--rows", "3", "--layers", "1", "--keys", "64", "--width", "16", "--heads", "4/2"),
+        *("--repeats", "1"),
+    ],
     "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
     "bench_fairness.py": ["--flood-requests", "3", "--output-len", "8", "--seconds", "1"],
     "bench_grammar.py": ["--rows", "4", "--tokens", "3", "--mix", "0.5"],
