@@ -62,7 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=None, help="for the started engine (default model)")
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=16)
+    # NOTE: a forced call (`--tools`) needs room to close: at 16 the first turn's was cut, no call
+    p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--tools", action="store_true", help="send the tools as the request's tools")
     p.add_argument(
         "--force",
