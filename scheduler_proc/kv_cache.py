@@ -50,6 +50,10 @@ class StepRows:
 # NOTE: a decode step splits its rows where a row holds fewer than half the keys of the longest
 # row of its group, each group reading only up to its own longest (`length_groups`).
 SPLIT_RATIO = 2
+# NOTE: lone chunks gathered together read at most this many keys a group (`_lone_reads`): a
+# group's gather is held until its last row is copied out, so 16 rows of 128k keys at once would
+# hold 16x what one row at a time did; 16 rows of 4k keys still go in one group.
+LONE_GROUP_KEYS = 1 << 16
 
 
 def token_slots(table: list[int], start: int, n: int, page: int) -> np.ndarray:
@@ -271,7 +275,8 @@ class _RaggedView:
 
     def _lone_reads(self) -> list[_GroupReads]:
         """Row i reads keys `[0, starts[i] + width)`, its queries the last of them. Rows that
-        read as many keys are gathered (and dequantized) together, once a layer.
+        read as many keys are gathered (and dequantized) together, once a layer, up to
+        `LONE_GROUP_KEYS` keys a group.
 
         NOTE: gathering each row alone cost 34 ms a step of 16 rows x 16 layers (H100, 1B
         shape, 512-token chunks over 1.5-3k keys) and 72-91 ms with 8-bit pages (three parts
@@ -280,9 +285,13 @@ class _RaggedView:
         plan, by_keys = self.plan, dict[int, list[int]]()
         for i, start in enumerate(plan.starts):
             by_keys.setdefault(start + self._t, []).append(i)
-        self._lone_rows = list(by_keys.values())
-        reads = []
+        groups: list[tuple[int, list[int]]] = []
         for n, rows in by_keys.items():
+            per = max(1, LONE_GROUP_KEYS // n)
+            groups += [(n, rows[j : j + per]) for j in range(0, len(rows), per)]
+        self._lone_rows = [rows for _, rows in groups]
+        reads = []
+        for n, rows in groups:
             index = mx.array(np.asarray(rows, dtype=np.int32))
             pages = self._tables[index][:, : self.pool.pages_for(n)]
             tables = [plan.tables[i] for i in rows]

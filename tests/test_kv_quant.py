@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelError
 from engine.random_model import TINY_LLAMA, make_random_model
 from engine.sampling_params import SamplingParams
+from scheduler_proc import kv_cache
 from scheduler_proc.kv_layout import LayerShape, bytes_per_token
 from scheduler_proc.kv_quant import KVQuant
 
@@ -157,10 +158,14 @@ def test_a_prefix_hit_reads_the_cached_codes(llama):
     assert_pages_balanced(sched)
 
 
-def test_lone_chunks_several_a_step_read_their_own_quantized_keys(llama):
+@pytest.mark.parametrize("group_keys", [None, 1], ids=["grouped", "a-row-a-group"])
+def test_lone_chunks_several_a_step_read_their_own_quantized_keys(llama, group_keys, monkeypatch):
     """`--long-prefill-chunk` with 8-bit pages: rows whose lone chunks read as many keys are
-    gathered and dequantized together, then each attends on its own; every logprob is the
-    padded prefill's (lone chunks off) on the same codes, and several rows ran in one step."""
+    gathered and dequantized together (up to `LONE_GROUP_KEYS` keys a group), then each attends
+    on its own; every logprob is the padded prefill's (lone chunks off) on the same codes, and
+    several rows ran in one step."""
+    if group_keys is not None:
+        monkeypatch.setattr(kv_cache, "LONE_GROUP_KEYS", group_keys)
     rng = random.Random(5)
     prompts = {f"r{i}": random_prompt(rng, 150 + 29 * i) for i in range(4)}
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
