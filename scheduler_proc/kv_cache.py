@@ -239,7 +239,7 @@ class _RaggedView:
         self.grouped = self.by_rows or self._split is not None
         self._group_reads: list[_GroupReads] | None = None
         self._group_order: mx.array | None = None
-        self._lone_rows: list[list[int]] = []  # NOTE: `_lone_reads`' groups, as row numbers
+        self._lone: list[tuple[list[int], _GroupReads]] | None = None  # NOTE: `_lone_reads`
 
     def _write_slots(self, tables: np.ndarray) -> np.ndarray:
         """Slot of every (row, query) position, row-major; padding to the scratch page.
@@ -259,21 +259,21 @@ class _RaggedView:
 
     def groups(self, keys: Buffer, values: Buffer) -> Groups | None:
         """A full layer's attention in parts (`grouped`), from its buffers after the write."""
-        if self._group_reads is None:  # NOTE: once per forward, shared by every layer
-            if self.by_rows:
-                self._group_reads = self._lone_reads()
-            elif self._split is not None:
-                self._group_reads = [self._decode_reads(g) for g in self._split]
-                order = np.argsort([i for g in self._split for i in g]).astype(np.int32)
-                self._group_order = mx.array(order)
-            else:
-                return None
+        # NOTE: what each group reads is found once per forward, shared by every layer
         if self.by_rows:
-            return Groups(self._lone_parts(keys, values))
+            if self._lone is None:
+                self._lone = self._lone_reads()
+            return Groups(self._lone_parts(self._lone, keys, values))
+        if self._split is None:
+            return None
+        if self._group_reads is None:
+            self._group_reads = [self._decode_reads(g) for g in self._split]
+            order = np.argsort([i for g in self._split for i in g]).astype(np.int32)
+            self._group_order = mx.array(order)
         parts = [self._group(r, keys, values) for r in self._group_reads]
         return Groups(parts, self._group_order)
 
-    def _lone_reads(self) -> list[_GroupReads]:
+    def _lone_reads(self) -> list[tuple[list[int], _GroupReads]]:
         """Row i reads keys `[0, starts[i] + width)`, its queries the last of them. Rows that
         read as many keys are gathered (and dequantized) together, once a layer, up to
         `LONE_GROUP_KEYS` keys a group.
@@ -285,25 +285,24 @@ class _RaggedView:
         plan, by_keys = self.plan, dict[int, list[int]]()
         for i, start in enumerate(plan.starts):
             by_keys.setdefault(start + self._t, []).append(i)
-        groups: list[tuple[int, list[int]]] = []
-        for n, rows in by_keys.items():
-            per = max(1, LONE_GROUP_KEYS // n)
-            groups += [(n, rows[j : j + per]) for j in range(0, len(rows), per)]
-        self._lone_rows = [rows for _, rows in groups]
         reads = []
-        for n, rows in groups:
-            index = mx.array(np.asarray(rows, dtype=np.int32))
-            pages = self._tables[index][:, : self.pool.pages_for(n)]
-            tables = [plan.tables[i] for i in rows]
-            reads.append(_GroupReads(index, tables, pages, n, False, "causal"))
+        for n, same in by_keys.items():
+            per = max(1, LONE_GROUP_KEYS // n)
+            for rows in (same[j : j + per] for j in range(0, len(same), per)):
+                index = mx.array(np.asarray(rows, dtype=np.int32))
+                pages = self._tables[index][:, : self.pool.pages_for(n)]
+                tables = [plan.tables[i] for i in rows]
+                reads.append((rows, _GroupReads(index, tables, pages, n, False, "causal")))
         return reads
 
-    def _lone_parts(self, keys: Buffer, values: Buffer) -> list[RowGroup]:
+    def _lone_parts(
+        self, lone: list[tuple[list[int], _GroupReads]], keys: Buffer, values: Buffer
+    ) -> list[RowGroup]:
         """One part a row, in row order, each a lone chunk's keys: contiguous, so its attention
         has the shape and strides whose graph the warm-up built (cuDNN builds one per strides:
         a row's view into its group's gather cost a ~70 ms build the first time)."""
         parts: dict[int, RowGroup] = {}
-        for r, rows in zip(self._group_reads or [], self._lone_rows, strict=True):
+        for rows, r in lone:
             g = self._group(r, keys, values)
             for j, i in enumerate(rows):
                 k, v = (mx.contiguous(a[j : j + 1]) for a in (g.keys, g.values))
