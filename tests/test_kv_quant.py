@@ -30,7 +30,7 @@ from engine.errors import ModelError
 from engine.random_model import TINY_LLAMA, make_random_model
 from engine.sampling_params import SamplingParams
 from scheduler_proc import kv_cache
-from scheduler_proc.kv_layout import LayerShape, bytes_per_token
+from scheduler_proc.kv_layout import LayerShape, Layout, bytes_per_token
 from scheduler_proc.kv_quant import KVQuant
 
 pytestmark = pytest.mark.usefixtures("bounded")
@@ -183,6 +183,32 @@ def test_lone_chunks_several_a_step_read_their_own_quantized_keys(llama, group_k
     want = logprobs(make(llama, long_prefill_chunk=-1, **kw))
     for rid in prompts:
         assert got[rid] == pytest.approx(want[rid], abs=1e-4), rid
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+def test_lone_rows_are_gathered_together_within_the_group_bound(bits, monkeypatch):
+    """A step of lone chunks: rows reading as many keys share one gather a layer, never more
+    than `LONE_GROUP_KEYS` keys in one (a group's gather is held until its last row is copied
+    out); each row still gets its own keys, in row order."""
+    monkeypatch.setattr(kv_cache, "LONE_GROUP_KEYS", 200)
+    layout = Layout.attention_only([LayerShape(2, 32, 32, mx.float32)])
+    quant = KVQuant(bits, 32) if bits else None
+    pool = kv_cache.KVPool(layout, 64, 16, slots=6, context=256, chunk=32, quant=quant)
+    starts = [64, 64, 64, 64, 32]  # NOTE: four rows of 96 keys (two a group), one of 64
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(5)]
+    plan = kv_cache.StepRows(list(range(5)), tables, starts, [32] * 5, 32)
+    gathered: list[tuple[int, int]] = []
+    real = pool.gather
+
+    def counted(tables, keys, buf, arr=None, run=False):
+        gathered.append((len(tables), keys))
+        return real(tables, keys, buf, arr, run)
+
+    monkeypatch.setattr(pool, "gather", counted)
+    groups = pool.ragged_view(plan, 96, causal=True)[0].groups()
+    assert sorted(set(gathered)) == [(1, 64), (2, 96)], gathered  # NOTE: K and V each
+    assert [p.keys.shape[2] for p in groups.parts] == [96, 96, 96, 96, 64]
+    assert [p.rows for p in groups.parts] == [slice(i, i + 1) for i in range(5)]
 
 
 def test_the_disk_tier_keeps_quantized_blocks_bit_for_bit(llama, tmp_path):
