@@ -8,7 +8,7 @@ used first out once the folder holds more than `--kv-cache-disk-gb` (every ident
 count: one budget for the folder).
 
 The scheduler's thread only looks up keys and hands work over; two threads of this module do
-the I/O: one writes (numpy arrays the scheduler gathered), one loads (a request's blocks, which
+the I/O: one writes (the arrays the scheduler gathered, brought to the host there), one loads (a request's blocks, which
 it waits for out of the seating pass). A file that is missing, corrupt, foreign or half-written
 is skipped with a log line, and never read again: a load stops at the first block it cannot use.
 
@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +45,15 @@ SNAP = "+"  # NOTE: a snapshot's file name: <anchor>+<length>+<key>.kv
 # another engine's on the same folder, still writing.
 STALE_TMP_S = 3600.0
 WRITER_BYTES = 512 << 20  # NOTE: what the writer may hold in memory, waiting for the disk
+# NOTE: a load's blocks are read and checked this many at once (file reads and CRC-32 let go of
+# the GIL): a restart's first request waits for all of them
+READERS = 4
 
 
 Arrays = tuple[tuple[str, tuple[int, ...]], ...]  # NOTE: (dtype, shape) each
+# NOTE: a file's arrays, made on the writer's thread when it writes them (the device-to-host
+# copy runs there, never on the step's thread)
+HostArrays = Callable[[], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class DiskCache:
         self._snaps: dict[bytes, set[tuple[int, bytes]]] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-load")
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kv-disk-read")
         self.written_bytes = self.read_bytes = self.hit_tokens = 0
         self.evicted_files = self.skipped_files = self.dropped_blocks = 0
         self._queued_bytes = 0
@@ -177,7 +184,7 @@ class DiskCache:
 
     # -- writes ----------------------------------------------------------------------------------
     def store(
-        self, tokens: Sequence[int], keys: list[bytes], blocks: dict[int, list[np.ndarray]]
+        self, tokens: Sequence[int], keys: list[bytes], blocks: dict[int, HostArrays]
     ) -> None:
         """Write `blocks` (block index -> its arrays, in `fmt` order) in the background;
         dropped (counted) when the writer is behind by more than `WRITER_BYTES`."""
@@ -193,7 +200,7 @@ class DiskCache:
             self._writer.submit(self._write, key, header, arrays, self._path(key), self.fmt.nbytes)
 
     def store_snapshot(
-        self, tokens: Sequence[int], length: int, anchor: bytes, arrays: list[np.ndarray]
+        self, tokens: Sequence[int], length: int, anchor: bytes, arrays: HostArrays
     ) -> None:
         """Write the snapshot of `tokens[:length]` (`arrays`: its tail's K/V, then the slot's)
         in the background; dropped (counted) when the writer is behind."""
@@ -234,11 +241,9 @@ class DiskCache:
             "arrays": [[d, list(s)] for d, s in self.fmt.arrays],
         }
 
-    def _write(
-        self, key: bytes, header: dict, arrays: list[np.ndarray], path: Path, queued: int
-    ) -> None:
+    def _write(self, key: bytes, header: dict, arrays: HostArrays, path: Path, queued: int) -> None:
         try:
-            size = kv_files.dump(path, header, arrays, [d for d, _ in header["arrays"]])
+            size = kv_files.dump(path, header, arrays(), [d for d, _ in header["arrays"]])
         except Exception as e:  # NOTE: a full disk or a bad folder costs the block, not the engine
             log.warning("KV disk cache: could not write %s: %s", path.name, e)
             return
@@ -264,9 +269,14 @@ class DiskCache:
         self, tokens: list[int], keys: list[bytes], first: int, n: int, snapshot: int
     ) -> Loaded:
         out = Loaded([])
-        for k in range(first, first + n):
-            header = self._header(tokens, keys, k)
-            arrays = self._read(self._path(keys[k]), header, self.fmt.nbytes)
+        reads = [
+            self._readers.submit(
+                self._read, self._path(keys[k]), self._header(tokens, keys, k), self.fmt.nbytes
+            )
+            for k in range(first, first + n)
+        ]
+        for read in reads:
+            arrays = read.result()
             if arrays is None:
                 return out
             out.blocks.append(arrays)
@@ -371,6 +381,7 @@ class DiskCache:
     def close(self) -> None:
         """Writes queued so far finish (a clean shutdown keeps them); loads are not waited for."""
         self._loader.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
         self._writer.shutdown(wait=True)
 
     def stats(self) -> dict[str, int]:

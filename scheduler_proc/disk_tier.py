@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from scheduler_proc.disk_cache import BlockFormat, DiskCache, Loaded
+from scheduler_proc.disk_cache import BlockFormat, DiskCache, HostArrays, Loaded
 from scheduler_proc.kv_cache import KVPool, token_slots
 from scheduler_proc.pages import PageAllocator
 from scheduler_proc.prefix_cache import PrefixCache
@@ -45,6 +47,13 @@ log = logging.getLogger(__name__)
 FLUSH_BYTES = 64 << 20
 QUEUED_BYTES = 1 << 30
 LOAD_BYTES = 256 << 20
+# NOTE: while requests run, flushes take at most this share of the time. On CUDA the host copy
+# of a gather is a synchronous copy into managed memory that steps in flight wait behind: 128
+# agents wrote ~7.6 GB of KV in a 10 s run and ran at 0.68x of the disk tier off, with 43 steps
+# of 50-140 ms (copies on the step's thread, 32 arrays a flush); the writer's one copy a flush,
+# paced to 5 %, is the rest of the fix. Blocks the pace leaves queued wait (locked, counted in
+# QUEUED_BYTES) or are dropped as when the disk is behind.
+FLUSH_SHARE = 0.05
 CLAIMS_KEPT = 1024  # NOTE: claims on files being loaded, before finished owners' are dropped
 
 
@@ -97,6 +106,8 @@ class DiskTier:
         self.room, self.snapshots = room, snapshots
         self.block = cache.block
         self._writes: list[_Write] = []
+        self._resume = 0.0  # NOTE: while busy, the next flush waits until then (`FLUSH_SHARE`)
+        self._copy_s_per_byte = 0.0  # NOTE: the latest host copy's cost, a byte
         self._load_blocks = max(1, LOAD_BYTES // cache.fmt.nbytes)
         # NOTE: the request loading each load's first file (its key): another waiting request
         # that would load it too waits for it instead (`_claimed`)
@@ -139,9 +150,18 @@ class DiskTier:
         snap = fmt.snapshot_nbytes(len(job.tokens) % self.block) if job.snapshot else 0
         return len(job.blocks) * fmt.nbytes + snap
 
-    def flush(self) -> None:
+    def pending(self) -> bool:
+        """Blocks queued, not yet handed to the writer."""
+        return bool(self._writes)
+
+    def flush(self, busy: bool = False) -> None:
         """Gather queued blocks (up to `FLUSH_BYTES`) and hand them to the writer; only while no
-        step is in flight."""
+        step is in flight. `busy`: requests run, so flushes are paced to `FLUSH_SHARE` of the
+        time (what a flush costs the steps: its gather here, its host copy on the writer's
+        thread, measured)."""
+        now = time.monotonic()
+        if busy and now < self._resume:
+            return
         take: list[_Write] = []
         size = 0
         while self._writes and (not take or size < FLUSH_BYTES):
@@ -161,22 +181,33 @@ class DiskTier:
                 slots += m.slots[len(job.tokens) // b * b :]
         # NOTE: no slots (the blocks on disk, a snapshot at a block's end) reads each array
         # empty: such a snapshot's tail is its K/V of no tokens, as its format says
-        arrays = [_host(a) for a in self.pool.read_tokens(slots)]
-        at = 0
+        gathered = self.pool.read_tokens(slots)
+        states = [a for job in take if job.snapshot is not None for a in job.snapshot]
+        host = HostCopy([*gathered, *states], self._copied)
+        n = len(gathered)
+        at, state_at = 0, n  # NOTE: tokens into the gathered arrays; the next state array
         for job in take:
             self.prefix.tree.unlock(job.node)
             blocks = {}
             for k in job.blocks:
-                blocks[k] = [a[:, at : at + b] for a in arrays]
+                blocks[k] = host.part(range(n), at, at + b)
                 at += b
             self.cache.store(job.tokens, job.keys, blocks)
             if job.snapshot is not None:
                 tail = len(job.tokens) % b
-                kv = [a[:, at : at + tail] for a in arrays]
+                kv = host.part(range(n), at, at + tail)
                 at += tail
+                state = host.part(range(state_at, state_at + len(job.snapshot)))
+                state_at += len(job.snapshot)
                 anchor = self.cache.anchor(job.keys, len(job.tokens))
-                state = [_host(a) for a in job.snapshot]
-                self.cache.store_snapshot(job.tokens, len(job.tokens), anchor, kv + state)
+                self.cache.store_snapshot(job.tokens, len(job.tokens), anchor, _joined(kv, state))
+        spent = time.monotonic() - now + host.nbytes * self._copy_s_per_byte
+        self._resume = now + spent / FLUSH_SHARE
+
+    def _copied(self, nbytes: int, seconds: float) -> None:
+        """A host copy's cost, measured on the writer's thread."""
+        if nbytes:
+            self._copy_s_per_byte = seconds / nbytes
 
     def drop_queued(self) -> None:
         """Queued blocks forgotten (the model changes: their KV is the old model's)."""
@@ -339,11 +370,58 @@ def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def _host(a: mx.array) -> np.ndarray:
-    """An evaluated array's bits in host memory (bfloat16 as uint16: numpy has no bfloat16)."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.array(a)
+class HostCopy:
+    """A flush's arrays as one device array, evaluated on the step's thread; brought to the host
+    once, by the first file the writer makes from it, on the writer's thread.
+
+    NOTE: on CUDA an array's host view is a synchronous copy into managed memory, which steps in
+    flight wait behind. Made on the step's thread, 32 arrays a flush (64 MB) cost the steps
+    ~32 ms a flush; one array's copy on the writer's thread ~9 ms (H100, a diagnosis script:
+    chained steps of ~1 ms, a flush every 20). Metal and the CPU view the same memory (no copy).
+    """
+
+    def __init__(self, arrays: list[mx.array], copied: Callable[[int, float], None]) -> None:
+        self._specs = [(_numpy_dtype(a.dtype), a.shape) for a in arrays]
+        flat = [a.reshape(-1).view(mx.uint8) for a in arrays]
+        self._device: mx.array | None = mx.concatenate(flat) if flat else mx.zeros((0,), mx.uint8)
+        mx.eval(self._device)
+        self.nbytes = self._device.nbytes
+        self._host: list[np.ndarray] | None = None
+        self._lock = threading.Lock()
+        self._copied = copied
+
+    def arrays(self) -> list[np.ndarray]:
+        with self._lock:
+            if self._host is None:
+                assert self._device is not None
+                t = time.perf_counter()
+                raw = np.asarray(self._device)
+                self._copied(self.nbytes, time.perf_counter() - t)
+                self._device = None  # NOTE: the views below keep its memory
+                self._host, at = [], 0
+                for dtype, shape in self._specs:
+                    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                    self._host.append(raw[at : at + n].view(dtype).reshape(shape))
+                    at += n
+            return self._host
+
+    def part(self, which: range, start: int = 0, end: int | None = None) -> HostArrays:
+        """Arrays `which`, tokens `start:end` of each (all: `end` None), made when called."""
+
+        def make() -> list[np.ndarray]:
+            host = self.arrays()
+            return [host[i] if end is None else host[i][:, start:end] for i in which]
+
+        return make
+
+
+def _joined(*parts: HostArrays) -> HostArrays:
+    return lambda: [a for part in parts for a in part()]
+
+
+def _numpy_dtype(dtype: mx.Dtype) -> np.dtype:
+    """Where an MLX dtype's bits go in numpy (bfloat16 as uint16: numpy has no bfloat16)."""
+    return np.dtype(np.uint16) if dtype == mx.bfloat16 else np.dtype(_dtype_name(dtype))
 
 
 def _device(a: np.ndarray) -> mx.array:

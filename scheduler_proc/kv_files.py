@@ -6,27 +6,31 @@ key, its position and its tokens):
 
     MAGIC | header length (u32 LE) | header (JSON) | arrays (raw, in header order) | digest
 
-The digest (BLAKE2b, 32 bytes) covers everything before it, so a truncated, torn or flipped file
-fails the check. Files are written to a temporary name in the same folder, flushed to the disk
+The digest (CRC-32, 4 bytes) covers everything before it, so a truncated, torn or flipped file
+fails the check. It guards against damage, not against someone who may write the folder (they
+could write any KV): CRC-32 checks ~3.9 GB/s where BLAKE2b checked 0.9 on one core, and a
+restart's load is checked on its way in (a 2,000-word prompt's 83 MB of a 1B model's KV: ~90 ms
+of BLAKE2b against ~90 ms to compute it again on an H100). Files are written to a temporary name in the same folder, flushed to the disk
 and renamed: a reader sees a whole file or none, whatever kills the writer (`kill -9`, power).
 Nothing here knows MLX: arrays are numpy (bfloat16 travels as its bits, uint16).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-MAGIC = b"MLXEKV01"
-DIGEST = 32
+MAGIC = b"MLXEKV02"  # NOTE: 01 (BLAKE2b) files are refused as not ours, then skipped
 _LEN = struct.Struct("<I")
+_CRC = struct.Struct("<I")
+DIGEST = _CRC.size
 MAX_HEADER = 1 << 22  # NOTE: a block's tokens are a few hundred ints; more is not ours
 TMP_SUFFIX = ".tmp"
 # NOTE: numpy has no bfloat16: its bits travel as uint16 and the header names the real dtype
@@ -42,17 +46,17 @@ def dump(path: Path, header: dict[str, Any], arrays: list[np.ndarray], dtypes: l
     returns the bytes written."""
     head = dict(header, arrays=[[d, list(a.shape)] for a, d in zip(arrays, dtypes, strict=True)])
     meta = json.dumps(head, separators=(",", ":")).encode()
-    digest = hashlib.blake2b(digest_size=DIGEST)
+    crc = 0
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     size = 0
     try:
         with open(tmp, "wb") as f:
             parts: list[bytes | memoryview] = [MAGIC, _LEN.pack(len(meta)), meta]
             for part in parts + [_bytes(a) for a in arrays]:
-                digest.update(part)
+                crc = zlib.crc32(part, crc)
                 f.write(part)
                 size += len(part)
-            f.write(digest.digest())
+            f.write(_CRC.pack(crc))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -73,7 +77,7 @@ def load(path: Path, expect: dict[str, Any], max_bytes: int) -> list[np.ndarray]
     body = memoryview(data)[:-DIGEST] if len(data) > DIGEST else memoryview(b"")
     if len(data) < len(MAGIC) + _LEN.size + DIGEST or bytes(body[: len(MAGIC)]) != MAGIC:
         raise KVFileError("not a KV block file (no magic), or truncated")
-    if hashlib.blake2b(body, digest_size=DIGEST).digest() != data[-DIGEST:]:
+    if _CRC.pack(zlib.crc32(body)) != data[-DIGEST:]:
         raise KVFileError("checksum mismatch (truncated or corrupt)")
     (n,) = _LEN.unpack_from(body, len(MAGIC))
     start = len(MAGIC) + _LEN.size

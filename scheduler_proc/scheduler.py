@@ -306,7 +306,8 @@ class Scheduler:
         if not self.stepping:
             return bool(self._touched)
         busy = self._current or self._next or self.running.reqs
-        return bool(busy or (self._waiting and self.seating) or self._touched)
+        flushing = self.kv.disk is not None and self.kv.disk.pending()
+        return bool(busy or (self._waiting and self.seating) or self._touched or flushing)
 
     def quiesce(self) -> None:
         """Finish the step in flight (its tokens go out with the next `step()`), so that rows
@@ -814,7 +815,7 @@ class Scheduler:
         self._seat_blocked = False
         self._apply_moves()
         if self.kv.disk is not None:
-            self.kv.disk.flush()
+            self.kv.disk.flush(busy=bool(self.running.reqs or self._waiting))
 
     def _apply_moves(self) -> None:
         """Cache queued prompt bodies, snapshot, promote joined prompts, free finished rows."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from scheduler_util import (
 
 from engine.config import EngineConfig
 from engine.random_model import TINY_LLAMA, make_random_model
-from scheduler_proc import kv_files
+from scheduler_proc import disk_tier, kv_files
 from scheduler_proc.disk_cache import BlockFormat, DiskCache
 from scheduler_proc.model_identity import fingerprint
 from scheduler_proc.scheduler import DISK_BLOCK_TOKENS, Scheduler
@@ -283,7 +284,7 @@ def test_the_folder_keeps_its_budget_least_recently_used_first(tmp_path):
     tokens = list(range(10, 50))
 
     def write(cache: DiskCache, keys: list[bytes], k: int) -> None:
-        cache.store(tokens, keys, {k: _arrays(k)})
+        cache.store(tokens, keys, {k: lambda: _arrays(k)})
         cache._writer.submit(lambda: None).result()  # NOTE: one writer thread: in order
         time.sleep(0.01)
 
@@ -321,7 +322,7 @@ def test_a_snapshot_file_is_found_by_its_anchor_after_a_restart_and_read_back(tm
     keys = cache.keys(tokens, 2)
     anchor = cache.anchor(keys, 10)  # NOTE: 10 tokens: two whole blocks of 4, a tail of 2
     assert anchor == keys[1]
-    cache.store_snapshot(tokens, 10, anchor, arrays)
+    cache.store_snapshot(tokens, 10, anchor, lambda: arrays)
     cache.close()
     later = DiskCache(tmp_path, 1 << 20, fmt, "m")
     key = later.snapshot_key(tokens, 10, anchor)
@@ -329,7 +330,7 @@ def test_a_snapshot_file_is_found_by_its_anchor_after_a_restart_and_read_back(tm
     assert later.snapshots(later.anchor(keys, 3)) == [], "another anchor holds nothing"
     loaded = later.load(tokens, keys, 0, 2, snapshot=10).result()
     assert loaded.blocks == [] and loaded.snapshot is None, "no block: the snapshot is not read"
-    later.store(tokens, keys, {0: _arrays(0), 1: _arrays(1)})
+    later.store(tokens, keys, {0: lambda: _arrays(0), 1: lambda: _arrays(1)})
     later._writer.submit(lambda: None).result()
     loaded = later.load(tokens, keys, 0, 2, snapshot=10).result()
     assert loaded.snapshot is not None
@@ -613,3 +614,69 @@ def test_a_burst_after_a_restart_reads_the_shared_system_prompt_once(llama, tmp_
     assert stats["kv_disk_read_bytes"] == blocks * after.kv.disk.cache.fmt.nbytes
     assert stats["kv_disk_hit_tokens"] == blocks * B
     _stopped(after)
+
+
+class _WatchedNumpy:
+    """numpy, with the threads that bring MLX arrays to the host written down."""
+
+    def __init__(self, seen: list[str]) -> None:
+        self._seen = seen
+
+    def __getattr__(self, name: str):
+        real = getattr(np, name)
+        if name not in ("array", "asarray"):
+            return real
+
+        def to_host(a, *args, **kwargs):
+            if isinstance(a, mx.array):
+                self._seen.append(threading.current_thread().name)
+            return real(a, *args, **kwargs)
+
+        return to_host
+
+
+def test_kv_reaches_the_host_on_the_writers_thread_never_the_steps(llama, tmp_path, monkeypatch):
+    """On CUDA bringing an array to the host is a synchronous copy that steps in flight wait
+    behind (made on the step's thread, 128 agents ran at 0.68x with the disk tier on): the
+    blocks gathered for disk are copied to the host by the writer, and read back exactly."""
+    seen: list[str] = []
+    monkeypatch.setattr(disk_tier, "np", _WatchedNumpy(seen))
+    system = _systems(11, 1, 300)[0]
+    sched = _engine(llama, tmp_path)
+    out = _serve(sched, {"a": system})["a"]
+    assert tokens(out) == reference_greedy(llama, system, 6)
+    _stopped(sched)
+    assert seen and all(name.startswith("kv-disk-write") for name in seen), seen
+    after = _engine(llama, tmp_path)
+    prompt = system + random_prompt(random.Random(12), 9)
+    out = _serve(after, {"b": prompt})["b"]
+    assert tokens(out) == reference_greedy(llama, prompt, 6)
+    assert out[-1].cached_tokens == 300 // B * B
+    _stopped(after)
+
+
+def test_flushes_wait_their_turn_while_requests_run_and_drain_when_idle(
+    llama, tmp_path, monkeypatch
+):
+    """While requests run, flushes take a bounded share of the time (`FLUSH_SHARE`): what the
+    pace holds back stays queued until the engine is idle, and then every block is written,
+    one flush after another (`FLUSH_BYTES`), without a request to drive the steps."""
+    monkeypatch.setattr(disk_tier, "FLUSH_SHARE", 1e-9)  # NOTE: one flush, then a long pause
+    monkeypatch.setattr(disk_tier, "FLUSH_BYTES", 1)  # NOTE: one queued job a flush
+    rng = random.Random(13)
+    prompts = {f"s{i}": random_prompt(rng, 2 * B + 5) for i in range(3)}
+    sched = _engine(llama, tmp_path, disable_overlap=True)  # NOTE: a settle every step
+    sched.submit("long", random_prompt(rng, 20), greedy(80))
+    for rid, prompt in prompts.items():
+        sched.submit(rid, prompt, greedy(2))
+    done: set[str] = set()
+    for _ in range(12):
+        done |= {c.rid for c in sched.step() if c.finish_reason is not None}
+    assert done == set(prompts), "the short requests finish first"
+    assert sched.stats()["kv_disk_queued_blocks"] > 0, "flushed at every break while busy"
+    while sched.has_work():
+        sched.step()
+    assert sched.stats()["kv_disk_queued_blocks"] == 0, "queued blocks left behind when idle"
+    sched.kv.disk.cache.close()
+    assert len(list(tmp_path.rglob("*.kv"))) == 3 * 2 + (20 + 80) // B
+    _stopped(sched)
