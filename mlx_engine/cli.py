@@ -154,7 +154,11 @@ def _floats(text: str | None) -> tuple[float, ...]:
 )
 @click.option("--model", help="Model dir or .gguf for started servers (default: SmolLM2-135M).")
 @click.option("--launch-args", default="", help="Extra `mlx-engine launch` options, one string.")
-@click.option("--launch-log", type=click.Path(dir_okay=False, path_type=Path), help="Engine log.")
+@click.option(
+    "--launch-log",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Engine log (default: OUT/mlx-engine.log; a peer's: OUT/mlx_lm.log).",
+)
 @click.option(
     "--compare",
     default="",

@@ -42,7 +42,7 @@ def test_summary_on_a_known_timeline():
     b = _req(0.2, 1.2, tokens=5, step=0.2)  # ends 2.01
     failed = _req(0.1, 0.3, tokens=3, step=0.1, error="HTTP 500")
     s = summarize([a, b, failed])
-    assert (s.requests, s.errors, s.output_tokens) == (3, 1, 16)
+    assert (s.requests, s.errors, s.output_tokens, s.first_error) == (3, 1, 16, "HTTP 500")
     assert s.duration_s == pytest.approx(2.01)
     assert s.request_throughput == pytest.approx(2 / 2.01)
     assert s.output_throughput == pytest.approx(16 / 2.01)
@@ -194,3 +194,57 @@ def test_a_url_that_lists_one_model_gets_its_name_in_every_request(listed, sent)
     finally:
         server.shutdown()
         server.server_close()
+
+
+DYING_SERVER = """
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else json.dumps({"data": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        print("dying on the first request", flush=True)
+        os._exit(3)
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_that_dies_mid_run_is_reported_with_its_first_error_and_its_log(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A peer crashed halfway through an agents run and the table said only '32/32' errors:
+    now each run with errors names its first one, the table says the server exited and with
+    which code, and the server's output is kept in a file beside the results."""
+    from mlx_engine.bench import run, servers
+
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_SERVER)
+    monkeypatch.setattr(
+        servers,
+        "engine_command",
+        lambda model, args, port: [sys.executable, str(script), str(port)],
+    )
+    out = tmp_path / "out"
+    cfg = run.BenchConfig(
+        model=str(tiny_model_dir),
+        concurrency=(2,),
+        num_requests=3,
+        input_len="4:8",
+        output_len="4",
+        out_dir=out,
+        progress=False,
+    ).validate()
+    (result,) = run.run_bench(cfg)
+    assert result.cold is not None and result.cold.errors == 2
+    assert result.levels[0].warm.errors == 3 and result.exit_code == 3
+    text = "\n".join(result.error_lines())
+    assert "cold wave: 2 of 2 requests failed; the first: " in text, text
+    assert "exited with code 3 during the run" in text and str(out / "mlx-engine.log") in text
+    assert "dying on the first request" in (out / "mlx-engine.log").read_text()

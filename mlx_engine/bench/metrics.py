@@ -42,6 +42,7 @@ class Summary:
     # NOTE: from the server's own counters over the run (this engine's /metrics; nan elsewhere)
     prefill_tokens_per_step: float = math.nan
     chained_share: float = math.nan
+    first_error: str | None = None  # NOTE: the first failed request's error, as the client saw it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +51,7 @@ class Summary:
 def summarize(results: Sequence[RequestResult]) -> Summary:
     """Throughput counts successful requests over the span from the first start to the last end."""
     ok = [r for r in results if r.error is None]
+    failed = sorted((r for r in results if r.error is not None), key=lambda r: r.start)
     span = max((r.end for r in results), default=0.0) - min((r.start for r in results), default=0.0)
     rate = (lambda n: n / span) if span > 0 else (lambda n: 0.0)
     out = sum(r.completion_tokens for r in ok)
@@ -64,6 +66,7 @@ def summarize(results: Sequence[RequestResult]) -> Summary:
         ttft=_pcts([r.first - r.start for r in ok if r.first is not None]),
         itl=_pcts([x for r in ok if (x := time_per_token(r)) is not None]),
         e2e=_pcts([r.end - r.start for r in ok]),
+        first_error=failed[0].error if failed else None,
     )
 
 

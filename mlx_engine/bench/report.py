@@ -23,6 +23,27 @@ class EngineResult:
     name: str
     cold: Summary | None = None  # the first wave after the server started
     levels: list[Level] = field(default_factory=list)
+    log: str | None = None  # NOTE: where the server's output went (a server the bench started)
+    exit_code: int | None = None  # NOTE: set when the server exited during the run
+
+    def error_lines(self) -> list[str]:
+        """Why its requests failed: the first error of each run that had any, whether the
+        server died, and where its output is."""
+        runs = [("cold wave", self.cold)] if self.cold else []
+        runs += [(lv.load.label(), lv.warm) for lv in self.levels]
+        lines = [
+            f"{self.name}, {label}: {s.errors} of {s.requests} requests failed; the first: "
+            f"{s.first_error}"
+            for label, s in runs
+            if s.errors
+        ]
+        if self.exit_code is not None:
+            lines.append(
+                f"{self.name}: the server exited with code {self.exit_code} during the run"
+            )
+        if lines and self.log:
+            lines.append(f"{self.name}: its output is in {self.log}")
+        return lines
 
 
 def _ms(x: float) -> str:
@@ -66,6 +87,7 @@ def table(engines: list[EngineResult]) -> str:
         lines += ["cold (first wave after start):"]
         lines += [_row(name, f"wave of {c.requests}", c) for name, c in cold]
     lines += ratio_lines(engines)
+    lines += [line for e in engines for line in e.error_lines()]
     return "\n".join(lines)
 
 

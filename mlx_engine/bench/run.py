@@ -96,8 +96,11 @@ def run_bench(cfg: BenchConfig) -> list[EngineResult]:
     results = []
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     for started in _servers(cfg, info):
-        with started as target:
+        with started as (target, server):
             results.append(measure(target, work, cfg))
+            if server is not None:
+                results[-1].log = str(server.log)
+                results[-1].exit_code = server.exit_code()
         # NOTE: each server's figures as soon as it is measured: a slow peer cut short (a
         # timeout, Ctrl-C) must not take the engine's with it.
         _say(table(results[-1:]))
@@ -141,11 +144,12 @@ def _servers(cfg: BenchConfig, info: Any) -> Iterator[Any]:
     eos = {"ignore_eos": True} if cfg.ignore_eos else {}
     if cfg.url:
         url = cfg.url.rstrip("/")
-        yield contextlib.nullcontext(Target(cfg.url, url, eos | served_model(url)))
+        yield contextlib.nullcontext((Target(cfg.url, url, eos | served_model(url)), None))
     else:
         port = servers.free_port()
         cmd = servers.engine_command(cfg.model, cfg.launch_args, port)
-        yield _started("mlx-engine", cmd, port, eos, None, cfg.launch_log)
+        log = cfg.launch_log or cfg.out_dir / "mlx-engine.log"
+        yield _started("mlx-engine", cmd, port, eos, None, log)
     if not set(cfg.compare) & set(PEERS):
         return
     from engine.models import resolve_model_dir
@@ -159,14 +163,16 @@ def _servers(cfg: BenchConfig, info: Any) -> Iterator[Any]:
     if "mlx-lm" in cfg.compare:
         port = servers.free_port()
         name = "mlx_lm.server (as shipped)"
-        yield _started(name, servers.mlx_lm_command(model_dir, port), port, extra, plain)
+        log = cfg.out_dir / "mlx_lm.log"
+        yield _started(name, servers.mlx_lm_command(model_dir, port), port, extra, plain, log)
     if sys.platform == "linux" and info.optimized and _mlx_on_cpu():
         from engine.cpu_backend import child_env
 
         port, f32 = servers.free_port(), servers.float32_copy(model_dir)
         name = "mlx_lm.server (engine BLAS+f32)"
         env = child_env(info, plain)
-        yield _started(name, servers.mlx_lm_command(f32, port), port, extra, env)
+        log = cfg.out_dir / "mlx_lm-f32.log"
+        yield _started(name, servers.mlx_lm_command(f32, port), port, extra, env, log)
 
 
 def _mlx_on_cpu() -> bool:
@@ -177,12 +183,11 @@ def _mlx_on_cpu() -> bool:
 
 
 @contextlib.contextmanager
-def _started(name: str, cmd: list[str], port: int, extra: dict, env: Any, log: Path | None = None):
-    _say(f"# starting {name}: {' '.join(cmd)}")
-    with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(log, "w")) if log else None
-        url = stack.enter_context(servers.serve(cmd, port, env=env, log=out))
-        yield Target(name, url, extra)
+def _started(name: str, cmd: list[str], port: int, extra: dict, env: Any, log: Path):
+    """A server started for the run, its output in `log` (read it when its requests fail)."""
+    _say(f"# starting {name}: {' '.join(cmd)} (output: {log})")
+    with servers.running(cmd, port, env=env, log=log) as server:
+        yield Target(name, server.url, extra), server
 
 
 def _meta(cfg: BenchConfig, work: Workload, info: Any) -> dict[str, Any]:

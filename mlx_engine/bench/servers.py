@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, cast
 
@@ -42,19 +43,49 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = START_TIMEOU
     raise TimeoutError(f"{url} did not become healthy in {timeout:.0f} s")
 
 
+@dataclass(frozen=True)
+class Server:
+    """A server the bench started: its base URL, its process, where its output goes."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path | None = None
+
+    def exit_code(self) -> int | None:
+        """Its exit code if it has exited (a crash mid-run), else None."""
+        return self.proc.poll()
+
+
+@contextlib.contextmanager
+def running(
+    cmd: Sequence[str], port: int, env: dict[str, str] | None = None, log: Path | None = None
+) -> Iterator[Server]:
+    """`serve`, its output written to `log`; yields the server, not only its URL."""
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(log, "w")) if log else subprocess.DEVNULL
+        proc = stack.enter_context(_process(cmd, port, env, out))
+        yield Server(f"http://127.0.0.1:{port}", proc, log)
+
+
 @contextlib.contextmanager
 def serve(
     cmd: Sequence[str], port: int, env: dict[str, str] | None = None, log: IO | None = None
 ) -> Iterator[str]:
     """Run `cmd` (a server on `port`) in its own process group; yield its base URL once healthy."""
-    out = log or subprocess.DEVNULL
+    with _process(cmd, port, env, log or subprocess.DEVNULL):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def _process(
+    cmd: Sequence[str], port: int, env: dict[str, str] | None, out: IO | int
+) -> Iterator[subprocess.Popen]:
     proc = subprocess.Popen(
         list(cmd), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
-        yield url
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        yield proc
     finally:
         _stop(proc)
 
