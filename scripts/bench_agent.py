@@ -166,8 +166,9 @@ def main() -> None:
 
     import anthropic
 
-    from mlx_engine.bench.servers import engine_command, free_port, serve
+    from mlx_engine.bench.servers import engine_command, free_port, serve, unwind_on_sigterm
 
+    unwind_on_sigterm()
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:

@@ -32,6 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mlx_engine.bench.servers import unwind_on_sigterm  # noqa: E402
+
 WORDS = (
     "agent file test edit read write run command output error line function class module "
     "import return value list dict string path search replace build check commit branch merge "
@@ -46,6 +49,8 @@ def _port() -> int:
 
 
 class Engine:
+    live: list[Engine] = []  # NOTE: started, not yet killed: killed on the way out, whatever ends
+
     def __init__(self, model: str | None, folder: Path, log: Path, extra: list[str]) -> None:
         self.http = _port()
         cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--port", str(self.http)]
@@ -56,6 +61,7 @@ class Engine:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
+        Engine.live.append(self)
         deadline = time.monotonic() + 600
         while "engine ready" not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -101,6 +107,8 @@ class Engine:
         except ProcessLookupError:
             pass
         self.proc.wait(30)
+        if self in Engine.live:
+            Engine.live.remove(self)
 
 
 def _user(text: str) -> dict:
@@ -115,6 +123,7 @@ def main() -> None:
     ap.add_argument("--launch-args", default="", help="more `mlx-engine launch` options")
     ap.add_argument("--next-turn", action="store_true", help="ask the conversation's next turn")
     args = ap.parse_args()
+    unwind_on_sigterm()
     extra = args.launch_args.split()
     work = Path(tempfile.mkdtemp(prefix="bench-restart-"))
     rows = []
@@ -147,6 +156,8 @@ def main() -> None:
                 flush=True,
             )
     finally:
+        for engine in list(Engine.live):
+            engine.kill()
         shutil.rmtree(work, ignore_errors=True)
     ratio = statistics.median(r[1] / r[0] for r in rows)
     print(f"median restart / cold first-token time: {ratio:.2f}x over {len(rows)} runs")

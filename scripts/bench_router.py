@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mlx_engine import router_conf  # noqa: E402
-from mlx_engine.bench.servers import free_port, serve  # noqa: E402
+from mlx_engine.bench.servers import free_port, serve, unwind_on_sigterm  # noqa: E402
 
 HIT, PROMPT = "mlx_engine_prefix_cache_hit_tokens_total", "mlx_engine_prompt_tokens_total"
 
@@ -55,6 +55,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    unwind_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         model = _model(args, stack)

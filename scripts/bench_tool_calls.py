@@ -162,8 +162,9 @@ async def measure(url: str, args: argparse.Namespace) -> int:
 
 def main() -> None:
     args = parse_args()
-    from mlx_engine.bench.servers import engine_command, free_port, serve
+    from mlx_engine.bench.servers import engine_command, free_port, serve, unwind_on_sigterm
 
+    unwind_on_sigterm()
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +98,59 @@ def test_the_router_benchmark_runs_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "router.json").read_text())
     assert [r["errors"] for r in rows] == [0, 0] and all(r["requests"] == 8 for r in rows)
+
+
+def _engines_under(pid: int) -> set[int]:
+    """Sessions of the engine launchers `pid` started (they run in sessions of their own)."""
+    sessions = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+            if ppid == pid and b"launch" in cmd:
+                sessions.add(os.getsid(int(entry.name)))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sessions
+
+
+def _alive_in(session: int) -> list[int]:
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if os.getsid(int(entry.name)) == session and state != "Z":
+                    alive.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_benchmark_stopped_by_sigterm_stops_the_engines_it_started(tiny_model_dir):
+    """`timeout 200 python3 scripts/bench_restart.py` ran past its limit and left its engines
+    running in their own sessions, holding the port and the GPU's memory: the next benchmark's
+    engine could not allocate. SIGTERM now unwinds the script, which stops them."""
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_restart.py"), "--repeats", "1"]
+    argv += ["--model", str(tiny_model_dir), "--system-words", "20"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sessions := _engines_under(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no engine started"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_alive_in(s) for s in sessions) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for s in sessions for p in _alive_in(s)], "engine processes left running"
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in sessions if "sessions" in locals() else ():
+            for p in _alive_in(s):
+                os.kill(p, signal.SIGKILL)

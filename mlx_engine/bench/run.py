@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import platform
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -89,8 +88,7 @@ def run_bench(cfg: BenchConfig) -> list[EngineResult]:
     from engine.cpu_backend import setup_cpu_backend
 
     info = setup_cpu_backend(None, log_line=False)  # NOTE: before anything imports mlx.core
-    # NOTE: a SIGTERM unwinds like Ctrl-C, so the servers this run started are stopped too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    servers.unwind_on_sigterm()
     work = build_workload(cfg)
     _say(f"# workload: {work.name}, {work.num_requests} requests; {info.describe()}")
     results = []

@@ -20,6 +20,13 @@ from typing import IO, cast
 START_TIMEOUT_S = 600.0
 
 
+def unwind_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a supervisor) unwinds like Ctrl-C, so the servers this process
+    started are stopped by their `finally` blocks. By default it ends the process at once and
+    leaves them running in their own sessions, holding the port and a GPU's memory."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
