@@ -30,7 +30,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlx_engine.bench.servers import float32_copy, free_port, wait_healthy  # noqa: E402
+from mlx_engine.bench.servers import (  # noqa: E402
+    float32_copy,
+    free_port,
+    unwind_on_sigterm,
+    wait_healthy,
+)
 
 
 @dataclass
@@ -45,6 +50,7 @@ class Run:
 
 def main() -> None:
     args = _parse()
+    unwind_on_sigterm()
     from engine.config import EngineConfig
     from engine.cpu_backend import setup_cpu_backend
 

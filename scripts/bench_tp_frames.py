@@ -124,6 +124,9 @@ def run(args: argparse.Namespace, frames: str) -> dict[str, float]:
 
 def main() -> None:
     args = parse()
+    from mlx_engine.bench.servers import unwind_on_sigterm
+
+    unwind_on_sigterm()
     kinds = [f.strip() for f in args.frames.split(",") if f.strip()]
     if args.rank is not None:
         rank_main(args, kinds[-1])
