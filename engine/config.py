@@ -295,8 +295,11 @@ class EngineConfig:
             )
         if (self.spec == "draft") != bool(self.draft_model):
             raise ValueError("--spec draft and --draft-model go together: a draft model drafts")
-        if self.spec == "draft" and self.tp > 1:
-            raise ValueError("--spec draft runs on one device: not with --tp")
+        if self.spec != "off" and self.tp > 1:
+            # NOTE: which rows speculate follows each rank's own step times (the pay rule), so
+            # ranks disagree on a step's rows and the next collective hangs: with --tp 2 --spec
+            # ngram a rank stalled 20 s and the engine died
+            raise ValueError(f"--spec {self.spec} runs on one device: not with --tp")
         if self.prefill_attention not in ("auto", "ops", "fast"):
             raise ValueError(
                 f"prefill_attention must be auto, ops or fast, got {self.prefill_attention}"

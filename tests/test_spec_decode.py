@@ -600,3 +600,16 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start(
     engine = LaunchedEngine(tiny_think_model_dir, tmp_path / "missing.log", *args)
     with pytest.raises(RuntimeError, match="--draft-model: .*nothing-here: no such model"):
         engine.wait_ready()
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_speculation_is_refused_with_tensor_parallel_and_says_why(spec, tmp_path):
+    """Which rows speculate follows each rank's own step times, so ranks would disagree on a
+    step's rows: `--tp 2 --spec ngram` stalled a rank in a collective and the engine died. The
+    configuration is refused, naming both flags, before any process starts."""
+    from engine.config import EngineConfig
+
+    draft = {"draft_model": str(tmp_path)} if spec == "draft" else {}
+    with pytest.raises(ValueError, match=f"--spec {spec} runs on one device: not with --tp"):
+        EngineConfig(spec=spec, tp=2, **draft).validate()
+    EngineConfig(spec=spec, tp=1, **draft).validate()  # NOTE: one device: fine
