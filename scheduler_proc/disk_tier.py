@@ -48,11 +48,12 @@ FLUSH_BYTES = 64 << 20
 QUEUED_BYTES = 1 << 30
 LOAD_BYTES = 256 << 20
 # NOTE: while requests run, flushes take at most this share of the time. On CUDA the host copy
-# of a gather is a synchronous copy into managed memory that steps in flight wait behind: 128
-# agents wrote ~7.6 GB of KV in a 10 s run and ran at 0.68x of the disk tier off, with 43 steps
-# of 50-140 ms (copies on the step's thread, 32 arrays a flush); the writer's one copy a flush,
-# paced to 5 %, is the rest of the fix. Blocks the pace leaves queued wait (locked, counted in
-# QUEUED_BYTES) or are dropped as when the disk is behind.
+# of a gather is a synchronous copy into managed memory that steps in flight wait behind: 64
+# agents on an H100 wanted ~7.5 GB of KV written in a ~10 s run (4.1 GB went out, the rest was
+# dropped) and ran at 0.68x of the disk tier off, with 43 steps of 50-140 ms, when each flush
+# copied 32 arrays on the step's thread. One copy a flush on the writer's thread (`HostCopy`)
+# cuts a flush's cost ~3.5x; this pace bounds what is left. Blocks it holds back wait, locked
+# and counted in QUEUED_BYTES (beyond it the oldest are dropped, as when the disk is behind).
 FLUSH_SHARE = 0.05
 CLAIMS_KEPT = 1024  # NOTE: claims on files being loaded, before finished owners' are dropped
 
