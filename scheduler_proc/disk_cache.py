@@ -7,9 +7,9 @@ KV. Files live in `DIR/<identity>/<key>.kv` (kv_files.py: atomic, checksummed), 
 used first out once the folder holds more than `--kv-cache-disk-gb` (every identity's files
 count: one budget for the folder).
 
-The scheduler's thread only looks up keys and hands work over; two threads of this module do
-the I/O: one writes (the arrays the scheduler gathered, brought to the host there), one loads (a request's blocks, which
-it waits for out of the seating pass). A file that is missing, corrupt, foreign or half-written
+The scheduler's thread only looks up keys and hands work over; threads of this module do the
+I/O: one writes (the arrays the scheduler gathered, brought to the host there), one loads (a
+request's blocks, which it waits for out of the seating pass; `READERS` read and check them). A file that is missing, corrupt, foreign or half-written
 is skipped with a log line, and never read again: a load stops at the first block it cannot use.
 
 Models with window rings or recurrent state (a slot per request) hit only where a snapshot of
@@ -186,8 +186,8 @@ class DiskCache:
     def store(
         self, tokens: Sequence[int], keys: list[bytes], blocks: dict[int, HostArrays]
     ) -> None:
-        """Write `blocks` (block index -> its arrays, in `fmt` order) in the background;
-        dropped (counted) when the writer is behind by more than `WRITER_BYTES`."""
+        """Write `blocks` (block index -> its arrays in `fmt` order, made by the writer) in the
+        background; dropped (counted) when the writer is behind by more than `WRITER_BYTES`."""
         for k, arrays in blocks.items():
             key = keys[k]
             with self._lock:

@@ -10,9 +10,9 @@ The digest (CRC-32, 4 bytes) covers everything before it, so a truncated, torn o
 fails the check. It guards against damage, not against someone who may write the folder (they
 could write any KV): CRC-32 checks ~3.9 GB/s where BLAKE2b checked 0.9 on one core, and a
 restart's load is checked on its way in (a 2,000-word prompt's 83 MB of a 1B model's KV: ~90 ms
-of BLAKE2b against ~90 ms to compute it again on an H100). Files are written to a temporary name in the same folder, flushed to the disk
-and renamed: a reader sees a whole file or none, whatever kills the writer (`kill -9`, power).
-Nothing here knows MLX: arrays are numpy (bfloat16 travels as its bits, uint16).
+of BLAKE2b against ~90 ms to compute it again on an H100). Files are written to a temporary name
+in the same folder, flushed to the disk and renamed: a reader sees a whole file or none, whatever
+kills the writer (`kill -9`, power). Nothing here knows MLX: arrays are numpy (bfloat16 travels as its bits, uint16).
 """
 
 from __future__ import annotations
