@@ -12,7 +12,8 @@ could write any KV): CRC-32 checks ~3.9 GB/s where BLAKE2b checked 0.9 on one co
 restart's load is checked on its way in (a 2,000-word prompt's 83 MB of a 1B model's KV: ~90 ms
 of BLAKE2b against ~90 ms to compute it again on an H100). Files are written to a temporary name
 in the same folder, flushed to the disk and renamed: a reader sees a whole file or none, whatever
-kills the writer (`kill -9`, power). Nothing here knows MLX: arrays are numpy (bfloat16 travels as its bits, uint16).
+kills the writer (`kill -9`, power). Nothing here knows MLX: arrays are numpy (bfloat16 travels
+as its bits, uint16).
 """
 
 from __future__ import annotations
