@@ -9,8 +9,10 @@ count: one budget for the folder).
 
 The scheduler's thread only looks up keys and hands work over; threads of this module do the
 I/O: one writes (the arrays the scheduler gathered, brought to the host there), one loads (a
-request's blocks, which it waits for out of the seating pass; `READERS` read and check them). A file that is missing, corrupt, foreign or half-written
-is skipped with a log line, and never read again: a load stops at the first block it cannot use.
+request's blocks, which it waits for out of the seating pass; `READERS` read and check them,
+and copy each into its place in one array a layer's K or V: `Loaded.joined`). A file that is
+missing, corrupt, foreign or half-written is skipped with a log line, and never read again: a
+load stops at the first block it cannot use.
 
 Models with window rings or recurrent state (a slot per request) hit only where a snapshot of
 the slot exists (snapshots.py), at any token. Such a snapshot goes to disk as a file of its own,
@@ -30,7 +32,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +93,10 @@ class Loaded:
 
     blocks: list[list[np.ndarray]]
     snapshot: list[np.ndarray] | None = None
+    read_s: float = 0.0  # NOTE: the loader's time: files read, checked and parsed
+    # NOTE: per array, every block's tokens in order (`blocks` are views of these): one host
+    # array a layer's K or V to bring to the device, copied into place by the readers
+    joined: list[np.ndarray] = field(default_factory=list)
 
 
 class DiskCache:
@@ -268,25 +274,43 @@ class DiskCache:
     def _load(
         self, tokens: list[int], keys: list[bytes], first: int, n: int, snapshot: int
     ) -> Loaded:
-        out = Loaded([])
+        out, t, b = Loaded([]), time.perf_counter(), self.block
+        joined = [
+            np.empty((s[0], n * b, *s[2:]), kv_files.numpy_dtype(d)) for d, s in self.fmt.arrays
+        ]
         reads = [
             self._readers.submit(
-                self._read, self._path(keys[k]), self._header(tokens, keys, k), self.fmt.nbytes
+                self._read_into,
+                self._path(keys[k]),
+                self._header(tokens, keys, k),
+                [a[:, i * b : (i + 1) * b] for a in joined],
             )
-            for k in range(first, first + n)
+            for i, k in enumerate(range(first, first + n))
         ]
         for read in reads:
             arrays = read.result()
             if arrays is None:
-                return out
+                break
             out.blocks.append(arrays)
-        if snapshot:
+        out.joined = [a[:, : len(out.blocks) * b] for a in joined]
+        if snapshot and len(out.blocks) == n:
             anchor = self.anchor(keys, snapshot)
             key = self.snapshot_key(tokens, snapshot, anchor)
             header = self._snap_header(tokens, snapshot, anchor, key)
             size = self.fmt.snapshot_nbytes(snapshot % self.block)
             out.snapshot = self._read(self._snap_path(anchor, snapshot, key), header, size)
+        out.read_s = time.perf_counter() - t
         return out
+
+    def _read_into(self, path: Path, header: dict, into: list[np.ndarray]) -> list | None:
+        """`_read` of a block, its arrays copied into `into` (their places in `Loaded.joined`,
+        on this reader's thread: numpy lets go of the GIL while it copies)."""
+        arrays = self._read(path, header, self.fmt.nbytes)
+        if arrays is None:
+            return None
+        for dest, a in zip(into, arrays, strict=True):
+            dest[...] = a
+        return into
 
     def _read(self, path: Path, header: dict, size: int) -> list[np.ndarray] | None:
         """The arrays of the file at `path`, checked against `header`; None (skipped) when it

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +54,9 @@ LOAD_BYTES = 256 << 20
 # copied 32 arrays on the step's thread. One copy a flush on the writer's thread (`HostCopy`)
 # cuts a flush's cost ~3.5x; this pace bounds what is left. Blocks it holds back wait, locked
 # and counted in QUEUED_BYTES (beyond it the oldest are dropped, as when the disk is behind).
+# Not enough on an H200: 64 agents still ran at 0.50x (and 0.83x in a rerun) of the tier off,
+# with every step slower, not a few slow ones (docs/prefix_cache.md, "On a GPU": the suspect
+# is what a host view leaves in MLX's buffer cache, measured there next).
 FLUSH_SHARE = 0.05
 CLAIMS_KEPT = 1024  # NOTE: claims on files being loaded, before finished owners' are dropped
 
@@ -78,6 +81,7 @@ class DiskLoad:
     future: Future[Loaded]
     snapshot: int = 0
     claim: bytes = b""  # NOTE: its first file's key (`DiskTier._claimed`)
+    asked: float = field(default_factory=time.monotonic)
 
 
 def block_format(pool: KVPool, block_tokens: int) -> BlockFormat:
@@ -202,8 +206,16 @@ class DiskTier:
                 state_at += len(job.snapshot)
                 anchor = self.cache.anchor(job.keys, len(job.tokens))
                 self.cache.store_snapshot(job.tokens, len(job.tokens), anchor, _joined(kv, state))
-        spent = time.monotonic() - now + host.nbytes * self._copy_s_per_byte
+        main = time.monotonic() - now
+        spent = main + host.nbytes * self._copy_s_per_byte
         self._resume = now + spent / FLUSH_SHARE
+        log.debug(
+            "disk flush: %d blocks, %.1f MB, %.1f ms here, host copy %.2f ms/MB",
+            sum(len(j.blocks) for j in take),
+            host.nbytes / 1e6,
+            main * 1e3,
+            self._copy_s_per_byte * 1e9,
+        )
 
     def _copied(self, nbytes: int, seconds: float) -> None:
         """A host copy's cost, measured on the writer's thread."""
@@ -226,7 +238,15 @@ class DiskTier:
             return True
         load, req.disk = req.disk, None
         self._loading.pop(load.claim, None)
+        t = time.monotonic()
         full = self._promote(req.fill_ids, load)
+        log.debug(
+            "disk load: %d blocks in %.1f ms since asked (read %.1f ms), %.1f ms into pages",
+            load.n,
+            (t - load.asked) * 1e3,
+            _read_s(load) * 1e3,
+            (time.monotonic() - t) * 1e3,
+        )
         req.disk_checked = not full  # NOTE: a load cut at `LOAD_BYTES`: the next ones follow
         return False
 
@@ -311,7 +331,9 @@ class DiskTier:
         start = max(load.first, m.length // b)
         if m.length < load.first * b or end * b <= m.length:
             return len(blocks) == load.n
-        if self._write(tokens[: end * b], m, blocks[start - load.first :], start):
+        skip = (start - load.first) * b
+        joined = [a[:, skip:] for a in loaded.joined]
+        if self._write(tokens[: end * b], m, blocks[start - load.first :], start, joined):
             self.cache.hit_tokens += end * b - m.length
         return len(blocks) == load.n
 
@@ -336,10 +358,18 @@ class DiskTier:
             self.cache.hit_tokens += length - m.length
         self.snapshots.put(tokens[:length], [_device(a) for a in state])
 
-    def _write(self, tokens: list[int], m: Match, parts: list, start: int) -> bool:
+    def _write(
+        self,
+        tokens: list[int],
+        m: Match,
+        parts: list,
+        start: int,
+        joined: list[np.ndarray] | None = None,
+    ) -> bool:
         """Write `parts` (blocks from `start`, the last one maybe a tail: fewer tokens) into
         fresh pages and cache `tokens` there after the cached prefix `m`; False when no page
-        is free for them (counted as dropped)."""
+        is free for them (counted as dropped). `joined`: the parts already joined per array
+        (`Loaded.joined`), else they are joined here."""
         b, p, tree = self.block, self.pool.page_size, self.prefix.tree
         n = len(tokens) - start * b
         tree.lock(m.node)  # NOTE: making room may evict; not the prefix the blocks follow
@@ -349,9 +379,9 @@ class DiskTier:
                 return False
             new = self.pages.alloc(-(-n // p))
             slots = token_slots(new, 0, n, p).tolist()
-            # NOTE: per array (a layer's K or V), every part's tokens
-            arrays = [np.concatenate(a, axis=1) for a in zip(*parts, strict=True)]
-            self.pool.write_tokens(slots, [_device(a) for a in arrays])
+            if joined is None:  # NOTE: per array (a layer's K or V), every part's tokens
+                joined = [np.concatenate(a, axis=1) for a in zip(*parts, strict=True)]
+            self.pool.write_tokens(slots, [_device(a) for a in joined])
             self.prefix.insert(tokens, m.slots[: start * b] + slots)
             self.pages.release(new)  # NOTE: the tree holds what it took; the rest is free again
         finally:
@@ -361,6 +391,11 @@ class DiskTier:
     def stats(self) -> dict[str, int]:
         queued = sum(len(w.blocks) + (w.snapshot is not None) for w in self._writes)
         return {**self.cache.stats(), "kv_disk_queued_blocks": queued}
+
+
+def _read_s(load: DiskLoad) -> float:
+    done = load.future.exception() is None
+    return load.future.result().read_s if done else 0.0
 
 
 def _loading(req: Req) -> bool:

@@ -94,6 +94,11 @@ def load(path: Path, expect: dict[str, Any], max_bytes: int) -> list[np.ndarray]
     return _arrays(body[start + n :], header.get("arrays"))
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """Where an array named `name` (MLX's dtype name) lives in numpy: bfloat16 as its bits."""
+    return np.dtype(_BITS.get(name, name))
+
+
 def _arrays(payload: memoryview, specs: Any) -> list[np.ndarray]:
     if not isinstance(specs, list):
         raise KVFileError("header lists no arrays")
@@ -101,7 +106,7 @@ def _arrays(payload: memoryview, specs: Any) -> list[np.ndarray]:
     for spec in specs:
         try:
             name, shape = str(spec[0]), tuple(int(s) for s in spec[1])
-            dtype = np.dtype(_BITS.get(name, name))
+            dtype = numpy_dtype(name)
         except (TypeError, ValueError, IndexError) as e:
             raise KVFileError(f"bad array entry {spec!r}: {e}") from None
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

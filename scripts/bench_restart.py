@@ -145,6 +145,10 @@ def main() -> None:
             restarted = Engine(args.model, warm_dir, work / "restart.log", extra)
             restart_s, cached, _ = restarted.first_token_s(ask)
             restarted.kill()
+            # NOTE: with `--launch-args "--log-level debug"`: where the load's time went
+            for line in (work / "restart.log").read_text().splitlines():
+                if "disk load:" in line:
+                    print("  restarted engine:", line.split("DEBUG ", 1)[-1], flush=True)
             cold = Engine(args.model, cold_dir, work / "cold.log", extra)
             cold_s, _, _ = cold.first_token_s(ask)
             cold.kill()

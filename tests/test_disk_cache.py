@@ -306,6 +306,29 @@ def test_the_folder_keeps_its_budget_least_recently_used_first(tmp_path):
     later.close()
 
 
+def test_a_load_joins_each_array_across_its_blocks_up_to_the_first_bad_one(tmp_path):
+    """What a load hands the step's thread is one array a layer's K or V holding every block's
+    tokens in order (the readers copied them into place), ending where a damaged file ends
+    the load: the blocks after it are not there, even though they were read."""
+    tokens = list(range(10, 50))
+    cache = DiskCache(tmp_path, 1 << 20, FMT, "m")
+    keys = cache.keys(tokens, 5)
+    cache.store(tokens, keys, {k: (lambda k=k: _arrays(k)) for k in range(5)})
+    cache._writer.submit(lambda: None).result()
+    whole = cache.load(tokens, keys, 1, 4).result()
+    for i, joined in enumerate(whole.joined):
+        assert joined.shape == (2, 16, 3)
+        want = np.concatenate([_arrays(k)[i] for k in range(1, 5)], axis=1)
+        assert np.array_equal(joined, want)
+    damaged = cache._path(keys[3])
+    damaged.write_bytes(damaged.read_bytes()[:-7])
+    cut = cache.load(tokens, keys, 1, 4).result()
+    assert len(cut.blocks) == 2 and [a.shape[1] for a in cut.joined] == [8, 8]
+    for i, joined in enumerate(cut.joined):
+        assert np.array_equal(joined, whole.joined[i][:, :8])
+    cache.close()
+
+
 def test_a_snapshot_file_is_found_by_its_anchor_after_a_restart_and_read_back(tmp_path):
     """A slot's snapshot (its tail's K/V and the slot's arrays) hangs from the key of the last
     whole block before it: indexed there when written and when the folder is scanned at start,
