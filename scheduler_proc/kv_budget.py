@@ -89,6 +89,10 @@ def plan_kv(
         fit = total // (TYPICAL_REQUEST_TOKENS + slot_tokens)
         slots = min(MAX_AUTO_RUNNING, fit)
         slots_rule = f"budget / {TYPICAL_REQUEST_TOKENS}-token requests, at most {MAX_AUTO_RUNNING}"
+        if fit > MAX_AUTO_RUNNING:
+            # NOTE: said, since the ceiling, not memory, is then what bounds concurrency: 4-bit
+            # pages in 8 GiB hold 455 such requests, and 256 ran where 310 could (an H200)
+            slots_rule += f"; the budget holds {fit}: --max-running-requests runs more"
     # NOTE: slots never take every page: at least one request of two pages must fit.
     slots = max(1, min(slots, (total - 2 * page) // max(1, slot_tokens) - 1))
     pages = max(2, (total - (slots + 1) * slot_tokens) // page - 1)

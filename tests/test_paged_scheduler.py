@@ -206,8 +206,9 @@ def test_defaults_are_the_models_context_and_what_memory_holds(llama):
     assert plan.slots == min(MAX_AUTO_RUNNING, budget // TYPICAL_REQUEST_TOKENS)
     text = plan.describe()
     assert "max_position_embeddings" in text and f"at most {MAX_AUTO_RUNNING}" in text
+    assert "the budget holds 300: --max-running-requests runs more" in text
     small = Scheduler(EngineConfig(max_total_tokens=5 * TYPICAL_REQUEST_TOKENS), llama, ())
-    assert small.kv_plan.slots == 5
+    assert small.kv_plan.slots == 5 and "runs more" not in small.kv_plan.describe()
     tiny = Scheduler(EngineConfig(max_total_tokens=1000), llama, ())
     assert tiny.kv_plan.context <= tiny.kv_plan.tokens and "cut to" in tiny.kv_plan.describe()
 
