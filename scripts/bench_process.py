@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.config import EngineConfig  # noqa: E402
+from mlx_engine.bench.servers import unwind_on_sigterm  # noqa: E402
 
 
 @dataclass
@@ -202,9 +203,8 @@ class Sdk:
         self.client.close()
 
 
-def launch(model: str | None, log_path: str | None) -> tuple[subprocess.Popen, Sdk]:
-    from engine.errors import EngineDead
-
+def launch(model: str | None, log_path: str | None) -> tuple[subprocess.Popen, int]:
+    """The engine started (not yet ready) and its ZMQ port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -214,11 +214,17 @@ def launch(model: str | None, log_path: str | None) -> tuple[subprocess.Popen, S
     cmd = [sys.executable, "-m", "mlx_engine.cli", "launch", "--zmq-port", str(port)]
     cmd += ["--port", str(http_port)]  # NOTE: not the default 30000, which may be taken
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd + (["--model", model] if model else []), stderr=log)
+    return subprocess.Popen(cmd + (["--model", model] if model else []), stderr=log), port
+
+
+def connect(proc: subprocess.Popen, port: int) -> Sdk:
+    """The SDK on the launched engine, once it is ready."""
+    from engine.errors import EngineDead
+
     deadline = time.monotonic() + 300
     while True:
         try:
-            return proc, Sdk(address=f"tcp://127.0.0.1:{port}")
+            return Sdk(address=f"tcp://127.0.0.1:{port}")
         except EngineDead:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise
@@ -244,6 +250,7 @@ def _vocab(model: str | None) -> int:
 
 def main() -> None:
     args = parse()
+    unwind_on_sigterm()
     from engine.cpu_backend import setup_cpu_backend
 
     # NOTE: the launched scheduler sets up the same BLAS itself, so both sides match.
@@ -255,7 +262,21 @@ def main() -> None:
         engines["SDK -> in-process"] = Sdk(model=args.model)
     proc = None
     if args.only != "inprocess":
-        proc, engines["SDK -> 3 processes"] = launch(args.model, args.launch_log)
+        proc, port = launch(args.model, args.launch_log)
+    try:  # NOTE: from the launch on: a SIGTERM while it starts leaves no engine either
+        if proc is not None:
+            engines["SDK -> 3 processes"] = connect(proc, port)
+        run(args, info.describe(), engines, proc)
+    finally:
+        if proc is not None and proc.poll() is None:  # NOTE: an error or SIGTERM mid-run
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run(args: argparse.Namespace, blas: str, engines: dict[str, Any], proc: Any) -> None:
     vocab = _vocab(args.model)
     tput_jobs = workload(args, vocab, args.requests, args.max_tokens)
     ttft_jobs = workload(args, vocab, args.ttft_requests, 4)
@@ -267,14 +288,14 @@ def main() -> None:
         for name, engine in engines.items():
             results[name].append(measure(engine, tput_jobs, ttft_jobs, args.concurrency))
     if proc is None:
-        report(args, info.describe(), results)
+        report(args, blas, results)
         return
     roundtrip = engines["SDK -> 3 processes"].roundtrip_ms()
     for engine in engines.values():
         if isinstance(engine, Sdk):
             engine.close()
     proc.wait(60)
-    report(args, info.describe(), results)
+    report(args, blas, results)
     print(f"message round trip through all three processes (stats()): {roundtrip:.3f} ms")
     if args.launch_log:
         inside = engine_ttft(args.launch_log)

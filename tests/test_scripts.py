@@ -154,3 +154,52 @@ def test_a_benchmark_stopped_by_sigterm_stops_the_engines_it_started(tiny_model_
         for s in sessions if "sessions" in locals() else ():
             for p in _alive_in(s):
                 os.kill(p, signal.SIGKILL)
+
+
+def _launchers_under(pid: int) -> list[int]:
+    """The engine launchers `pid` started in its own session (bench_process.py's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and b"launch" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_the_process_benchmark_stopped_by_sigterm_stops_its_engine(tiny_model_dir):
+    """bench_process.py starts its engine in its own session's process tree; stopped by
+    SIGTERM (a `timeout`) it ended at once and left that engine running, orphaned."""
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_process.py"), "--only", "sdk"]
+    argv += ["--model", str(tiny_model_dir), "--requests", "100000", "--max-tokens", "64"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    launchers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (launchers := _launchers_under(proc.pid)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no engine started"
+            time.sleep(0.1)
+        time.sleep(2.0)  # NOTE: into the run, past the launch
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in launchers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_gone(p) for p in launchers), "the engine was left running"
+    finally:
+        proc.kill()
+        proc.wait()
+        for p in launchers:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
