@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # NOTE: tokens a row catches up per draft forward; a row speculating for the first time
 # computes its whole context, so the forward's attention is bounded by this many queries.
 CATCH_UP = 256
+# NOTE: a row at most this many tokens behind catches up inside its first proposing forward
+FOLD = 8
 
 
 @dataclass
@@ -86,11 +88,23 @@ class Draft:
         (its last token), computed for every row together; a row's pages must already hold
         positions up to `kv_len + ks[i]`."""
         self._follow_pool()
-        self._catch_up(rows)
-        k = max(ks)
-        tokens = mx.array([[r.output_ids[-1]] for r in rows], dtype=mx.int32)
-        drafted: list[mx.array] = []
-        for i in range(k):
+        behind = [r.kv_len - _row(r).upto for r in rows]
+        if max(behind) > FOLD:
+            self._catch_up(rows)
+            behind = [0] * len(rows)
+        # NOTE: the first forward also computes what each row is behind by (the target kept
+        # every proposed token last step: one), so the catch-up costs no forward of its own
+        # nor a wait for it
+        width = max(behind) + 1
+        grid = [_span(r, r.kv_len - m, r.kv_len + 1) for r, m in zip(rows, behind, strict=True)]
+        tokens = mx.array([g + [0] * (width - len(g)) for g in grid], dtype=mx.int32)
+        starts = [r.kv_len - m for r, m in zip(rows, behind, strict=True)]
+        logits = self._forward(tokens, rows, starts, [m + 1 for m in behind])
+        last = logits[mx.arange(len(rows)), mx.array(behind), : self.vocab]
+        tokens = mx.argmax(last, axis=-1).astype(mx.int32)[:, None]
+        self.caught_up += sum(behind)
+        drafted: list[mx.array] = [tokens]
+        for i in range(1, max(ks)):
             lengths = [int(i < n) for n in ks]
             logits = self._forward(tokens, rows, [r.kv_len + i for r in rows], lengths)
             tokens = mx.argmax(logits[:, -1, : self.vocab], axis=-1).astype(mx.int32)[:, None]
@@ -144,6 +158,15 @@ class Draft:
         kv_len = self.pool.pages_for(ends) * self.pool.page_size
         view = self.pool.ragged_view(plan, kv_len, by_ops=self.by_ops, split=self.split)
         return self.model(tokens, cache=view)
+
+
+def _span(req: Req, start: int, end: int) -> list[int]:
+    """The row's tokens at positions `[start, end)` (prompt, then output), without joining
+    the whole context."""
+    n = len(req.input_ids)
+    if start >= n:
+        return req.output_ids[start - n : end - n]
+    return req.input_ids[start:end] + req.output_ids[: max(0, end - n)]
 
 
 def _row(req: Req) -> DraftRow:
