@@ -197,7 +197,7 @@ def test_a_url_that_lists_one_model_gets_its_name_in_every_request(listed, sent)
 
 
 DYING_SERVER = """
-import json, os, sys
+import json, os, socket, sys, time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 class H(BaseHTTPRequestHandler):
@@ -210,6 +210,11 @@ class H(BaseHTTPRequestHandler):
 
     def do_POST(self):
         print("dying on the first request", flush=True)
+        # NOTE: its clients see the connections drop (and the next ones refused) a moment
+        # before the process is gone
+        self.server.socket.close()
+        self.connection.shutdown(socket.SHUT_RDWR)
+        time.sleep(1.0)
         os._exit(3)
 
 HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()

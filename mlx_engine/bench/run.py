@@ -98,7 +98,10 @@ def run_bench(cfg: BenchConfig) -> list[EngineResult]:
             results.append(measure(target, work, cfg))
             if server is not None:
                 results[-1].log = str(server.log)
-                results[-1].exit_code = server.exit_code()
+                # NOTE: a server that just died may not be gone yet: with errors seen, it has
+                # a moment to finish exiting (read at once, a crash was reported as none)
+                failed = bool(results[-1].error_lines())
+                results[-1].exit_code = server.exit_code(wait=2.0 if failed else 0.0)
         # NOTE: each server's figures as soon as it is measured: a slow peer cut short (a
         # timeout, Ctrl-C) must not take the engine's with it.
         _say(table(results[-1:]))

@@ -58,9 +58,13 @@ class Server:
     proc: subprocess.Popen
     log: Path | None = None
 
-    def exit_code(self) -> int | None:
-        """Its exit code if it has exited (a crash mid-run), else None."""
-        return self.proc.poll()
+    def exit_code(self, wait: float = 0.0) -> int | None:
+        """Its exit code if it has exited (a crash mid-run), else None; `wait`: seconds to
+        give a server that may be exiting (its clients saw the connection drop first)."""
+        try:
+            return self.proc.wait(timeout=wait) if wait else self.proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
 
 @contextlib.contextmanager
