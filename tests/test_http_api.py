@@ -32,7 +32,9 @@ HI = [{"role": "user", "content": "Hi there"}]
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path, tmp_path_factory):
     log = tmp_path_factory.mktemp("http") / "launch.log"
-    extra = ("--max-running-requests", "4", "--max-queued-requests", "4", "--shutdown-grace", "2")
+    # NOTE: the grace holds the last test's stream (and the engine) open while it reads the
+    # 503s; at 2 s a loaded machine saw /health's connection reset: the engine had gone
+    extra = ("--max-running-requests", "4", "--max-queued-requests", "4", "--shutdown-grace", "10")
     extra += ("--client-share", "1")  # NOTE: every request here comes from one peer
     launched = LaunchedEngine(tiny_model_dir, log, *extra).wait_ready()
     yield launched
