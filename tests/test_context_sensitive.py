@@ -113,9 +113,10 @@ def test_decode_steps_cost_no_copy_of_the_pool(model, fused):
     # next step writes it is a matter of timing (a loaded full suite copied one layer once here,
     # 2026-12-04, and passed alone 3 of 3); a copy every step shows in both runs, and
     # `test_a_decode_step_leaves_the_kv_buffers_free_for_the_next` checks the cause directly.
+    # Three runs: a loaded CI run (2026-12-05) copied a layer in both of two.
     big, pool = min(
         _prompt_peak_bytes(model, rows=63, prompt_len=30, requests=4, max_tokens=8, fused=fused)
-        for _ in range(2)
+        for _ in range(3)
     )
     assert big - small < pool / 16, (small, big, pool)
 
