@@ -55,8 +55,8 @@ LOAD_BYTES = 256 << 20
 # cuts a flush's cost ~3.5x; this pace bounds what is left. Blocks it holds back wait, locked
 # and counted in QUEUED_BYTES (beyond it the oldest are dropped, as when the disk is behind).
 # Not enough on an H200: 64 agents still ran at 0.50x (and 0.83x in a rerun) of the tier off,
-# with every step slower, not a few slow ones (docs/prefix_cache.md, "On a GPU": the suspect
-# is what a host view leaves in MLX's buffer cache, measured there next).
+# with every step slower, not a few slow ones (docs/prefix_cache.md, "Not solved on a GPU":
+# the suspect is what a host view leaves in MLX's buffer cache, measured there next).
 FLUSH_SHARE = 0.05
 CLAIMS_KEPT = 1024  # NOTE: claims on files being loaded, before finished owners' are dropped
 

@@ -96,9 +96,9 @@ class Draft:
         # every proposed token last step: one), so the catch-up costs no forward of its own
         # nor a wait for it
         width = max(behind) + 1
-        grid = [_span(r, r.kv_len - m, r.kv_len + 1) for r, m in zip(rows, behind, strict=True)]
-        tokens = mx.array([g + [0] * (width - len(g)) for g in grid], dtype=mx.int32)
         starts = [r.kv_len - m for r, m in zip(rows, behind, strict=True)]
+        grid = [_span(r, s, r.kv_len + 1) for r, s in zip(rows, starts, strict=True)]
+        tokens = mx.array([g + [0] * (width - len(g)) for g in grid], dtype=mx.int32)
         logits = self._forward(tokens, rows, starts, [m + 1 for m in behind])
         last = logits[mx.arange(len(rows)), mx.array(behind), : self.vocab]
         tokens = mx.argmax(last, axis=-1).astype(mx.int32)[:, None]
@@ -131,7 +131,7 @@ class Draft:
             lengths = [min(r.kv_len - s, CATCH_UP) for r, s in todo]
             width = max(lengths)
             grid = [
-                (r.input_ids + r.output_ids)[s : s + n] + [0] * (width - n)
+                _span(r, s, s + n) + [0] * (width - n)
                 for (r, s), n in zip(todo, lengths, strict=True)
             ]
             todo_rows = [r for r, _ in todo]
