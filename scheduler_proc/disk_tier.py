@@ -113,6 +113,11 @@ class DiskTier:
         self._writes: list[_Write] = []
         self._resume = 0.0  # NOTE: while busy, the next flush waits until then (`FLUSH_SHARE`)
         self._copy_s_per_byte = 0.0  # NOTE: the latest host copy's cost, a byte
+        # NOTE: what the tier costs, for the stats: on the step's thread, flushes (the gathers)
+        # and loads (into pages); on the writer's, host copies (on CUDA steps in flight may
+        # wait behind them)
+        self._flush_s = self._load_s = self._copy_s = 0.0
+        self._flushes = 0
         self._load_blocks = max(1, LOAD_BYTES // cache.fmt.nbytes)
         # NOTE: the request loading each load's first file (its key): another waiting request
         # that would load it too waits for it instead (`_claimed`)
@@ -207,6 +212,8 @@ class DiskTier:
                 anchor = self.cache.anchor(job.keys, len(job.tokens))
                 self.cache.store_snapshot(job.tokens, len(job.tokens), anchor, _joined(kv, state))
         main = time.monotonic() - now
+        self._flush_s += main
+        self._flushes += 1
         spent = main + host.nbytes * self._copy_s_per_byte
         self._resume = now + spent / FLUSH_SHARE
         log.debug(
@@ -219,6 +226,7 @@ class DiskTier:
 
     def _copied(self, nbytes: int, seconds: float) -> None:
         """A host copy's cost, measured on the writer's thread."""
+        self._copy_s += seconds
         if nbytes:
             self._copy_s_per_byte = seconds / nbytes
 
@@ -240,12 +248,14 @@ class DiskTier:
         self._loading.pop(load.claim, None)
         t = time.monotonic()
         full = self._promote(req.fill_ids, load)
+        into = time.monotonic() - t
+        self._load_s += into
         log.debug(
             "disk load: %d blocks in %.1f ms since asked (read %.1f ms), %.1f ms into pages",
             load.n,
             (t - load.asked) * 1e3,
             _read_s(load) * 1e3,
-            (time.monotonic() - t) * 1e3,
+            into * 1e3,
         )
         req.disk_checked = not full  # NOTE: a load cut at `LOAD_BYTES`: the next ones follow
         return False
@@ -388,9 +398,16 @@ class DiskTier:
             tree.unlock(m.node)
         return True
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         queued = sum(len(w.blocks) + (w.snapshot is not None) for w in self._writes)
-        return {**self.cache.stats(), "kv_disk_queued_blocks": queued}
+        return {
+            **self.cache.stats(),
+            "kv_disk_queued_blocks": queued,
+            "kv_disk_flushes": self._flushes,
+            "kv_disk_flush_s": self._flush_s,
+            "kv_disk_load_s": self._load_s,
+            "kv_disk_copy_s": self._copy_s,
+        }
 
 
 def _read_s(load: DiskLoad) -> float:

@@ -86,6 +86,9 @@ def test_a_restarted_engine_reads_the_prefix_from_disk_and_answers_the_same(llam
     assert tokens(out) == reference_greedy(llama, first, 6)
     assert before.stats()["kv_disk_queued_blocks"] == 0, "blocks still locked after a settle"
     _stopped(before)
+    spent = before.stats()
+    assert spent["kv_disk_flushes"] >= 1 and spent["kv_disk_load_s"] == 0, spent
+    assert spent["kv_disk_flush_s"] > 0 and spent["kv_disk_copy_s"] > 0, spent
     assert len(list(tmp_path.rglob("*.kv"))) == (700 + 20 + 5) // B  # NOTE: whole blocks
     shared = 700 // B * B  # NOTE: the next prompt's blocks: the system prompt's whole ones
     written = _kv(before, system[:shared])
@@ -98,6 +101,7 @@ def test_a_restarted_engine_reads_the_prefix_from_disk_and_answers_the_same(llam
         assert np.array_equal(a, b), "the KV read back is not the KV written"
     stats = after.stats()
     assert stats["kv_disk_hit_tokens"] == shared and stats["kv_disk_skipped_files"] == 0
+    assert stats["kv_disk_load_s"] > 0, "the load into pages went uncounted"
     _stopped(after)
 
 

@@ -60,6 +60,9 @@ STATS = (
     _counter(
         "kv_disk_skipped_files", "Block files skipped: truncated, corrupt or not the block asked"
     ),
+    _counter("kv_disk_flush_s", "Seconds between steps spent gathering KV to write to disk"),
+    _counter("kv_disk_load_s", "Seconds between steps spent putting KV read from disk in pages"),
+    _counter("kv_disk_copy_s", "Seconds the disk writer spent copying KV to the host"),
     _counter("steps_launched", "Model steps launched on the device"),
     _counter("steps_prefill", "Steps whose forward ran prompt chunks"),
     _counter("steps_chained", "Steps launched on the step before's lazy tokens (overlap loop)"),
