@@ -31,6 +31,7 @@ NO_MODEL = (
     "bench_decode_attention.py",
     "bench_prefill_attention.py",
     "bench_lone_reads.py",
+    "bench_host_copy.py",
 )
 # NOTE: scripts that launch the engine or build token masks need a model with its tokenizer
 WITH_TOKENIZER = (
@@ -62,6 +63,10 @@ SCRIPT_RUNS = {
     "bench_lone_reads.py": [
         *("--rows", "3", "--layers", "1", "--keys", "64", "--width", "16", "--heads", "4/2"),
         *("--repeats", "1"),
+    ],
+    "bench_host_copy.py": [
+        *("--dim", "32", "--tokens", "4", "--layers", "2", "--every", "2", "--flush-mb", "1"),
+        *("--pool-gb", "0.01", "--seconds", "0.3"),
     ],
     "bench_agent.py": ["--system-tokens", "40", "--turns", "2", "--max-tokens", "2"],
     "bench_fairness.py": ["--flood-requests", "3", "--output-len", "8", "--seconds", "1"],
