@@ -11,7 +11,8 @@ steps with nothing in flight (as the engine flushes), gathers `--flush-mb` from 
   gather  the gather only, never copied to the host
   writer  on a writer thread, then written to a file and dropped (what the engine does)
   here    on the step's thread at the flush, nothing in flight; written by the writer
-  hold    as writer, but every gathered device array is kept alive (never back in MLX's cache)
+  hold    as writer, but each copy is kept (up to --hold-gb), so its buffer never goes back to
+          MLX's cache
 
 A flush waits while the writer is busy (the engine bounds its queue too). Per variant: the step's
 median, p99 and mean (a flush's own time is in the step after it), and the flushes made.
@@ -51,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--flush-mb", type=int, default=64)
     p.add_argument("--pool-gb", type=float, default=1.0)
     p.add_argument("--seconds", type=float, default=8.0, help="each variant's run")
+    p.add_argument("--hold-gb", type=float, default=8.0, help="most the hold variant keeps")
     return p.parse_args()
 
 
@@ -88,7 +90,9 @@ def run(variant: str, args: argparse.Namespace, folder: Path) -> str:
     pool = mx.zeros((8, tokens, 64), mx.bfloat16)
     mx.eval(weights, pool)
     per_flush = (args.flush_mb << 20) // (8 * 64 * 2)
-    writer, held = Writer(folder), []
+    writer = Writer(folder)
+    held: list[HostCopy] = []
+    hold = int(args.hold_gb * (1 << 30)) // (args.flush_mb << 20) if variant == "hold" else 0
 
     def step(x: mx.array) -> tuple[mx.array, mx.array]:
         for i in range(args.layers):
@@ -103,8 +107,8 @@ def run(variant: str, args: argparse.Namespace, folder: Path) -> str:
             return
         if variant == "here":
             host.arrays()
-        if variant == "hold":
-            held.append(host._device)
+        if len(held) < hold:  # NOTE: its host views keep the copied buffer alive
+            held.append(host)
         writer.jobs.put(host)
 
     x, s = step(mx.random.normal((args.tokens, args.dim)).astype(mx.bfloat16))
