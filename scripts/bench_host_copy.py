@@ -40,6 +40,8 @@ import numpy as np  # noqa: E402
 from scheduler_proc.disk_tier import HostCopy  # noqa: E402
 
 VARIANTS = ("none", "gather", "writer", "here", "hold")
+HEADS, DIM = 8, 64  # NOTE: the pool's shape per token (a 1B Llama's KV heads), bf16
+TOKEN_BYTES = HEADS * DIM * 2
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,7 +69,7 @@ class Writer:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _copied(self, nbytes: int, seconds: float) -> None:
+    def copied(self, nbytes: int, seconds: float) -> None:
         self.copy_s += seconds
 
     def _run(self) -> None:
@@ -86,10 +88,10 @@ class Writer:
 def run(variant: str, args: argparse.Namespace, folder: Path) -> str:
     mx.random.seed(0)
     weights = [mx.random.normal((args.dim, args.dim)).astype(mx.bfloat16) for _ in range(4)]
-    tokens = int(args.pool_gb * (1 << 30)) // (8 * 64 * 2)
-    pool = mx.zeros((8, tokens, 64), mx.bfloat16)
+    tokens = int(args.pool_gb * (1 << 30)) // TOKEN_BYTES
+    pool = mx.zeros((HEADS, tokens, DIM), mx.bfloat16)
     mx.eval(weights, pool)
-    per_flush = (args.flush_mb << 20) // (8 * 64 * 2)
+    per_flush = (args.flush_mb << 20) // TOKEN_BYTES
     writer = Writer(folder)
     held: list[HostCopy] = []
     hold = int(args.hold_gb * (1 << 30)) // (args.flush_mb << 20) if variant == "hold" else 0
@@ -102,7 +104,7 @@ def run(variant: str, args: argparse.Namespace, folder: Path) -> str:
     def flush(k: int) -> None:
         start = (k * 7919) % max(1, tokens - per_flush)
         index = mx.array(np.arange(start, start + per_flush, dtype=np.int32))
-        host = HostCopy([mx.take(pool, index, axis=1)], writer._copied)
+        host = HostCopy([mx.take(pool, index, axis=1)], writer.copied)
         if variant == "gather":
             return
         if variant == "here":
