@@ -54,9 +54,10 @@ LOAD_BYTES = 256 << 20
 # copied 32 arrays on the step's thread. One copy a flush on the writer's thread (`HostCopy`)
 # cuts a flush's cost ~3.5x; this pace bounds what is left. Blocks it holds back wait, locked
 # and counted in QUEUED_BYTES (beyond it the oldest are dropped, as when the disk is behind).
-# Not enough on an H200: 64 agents still ran at 0.50x (and 0.83x in a rerun) of the tier off,
-# with every step slower, not a few slow ones (docs/prefix_cache.md, "Not solved on a GPU":
-# the suspect is what a host view leaves in MLX's buffer cache, measured there next).
+# Not enough on a GPU: 64 agents ran at 0.50-0.83x of the tier off on an H200 and 0.60-0.97x
+# on an H100, first tokens later; not the host copy nor the writes (a run with neither was no
+# faster), nor a copied buffer going back to MLX's cache (docs/prefix_cache.md, "Not solved on
+# a GPU").
 FLUSH_SHARE = 0.05
 CLAIMS_KEPT = 1024  # NOTE: claims on files being loaded, before finished owners' are dropped
 

@@ -372,3 +372,46 @@ def test_the_start_up_check_runs_the_models_own_head_shape(tiny_weights_dir, mon
         "dim": dim,
         "page_size": sched.pool.page_size,
     }.items() <= seen[-1].items()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "lengths"])
+def test_one_token_rows_attend_the_same_with_their_query_heads_folded(mask):
+    """`folded` (the CPU's one-token rows: the query heads of a KV head as one product's rows)
+    against MLX's attention as mlx-lm calls it; each KV head's keys differ, so a head read
+    against another's keys, or a row seeing keys its mask hides, shows."""
+    rng = random.Random(1)
+    n = 40
+    q = mx.random.normal((3, 8, 1, 16), key=mx.random.key(rng.randrange(1 << 30)))
+    k = mx.random.normal((3, 2, n, 16), key=mx.random.key(rng.randrange(1 << 30)))
+    v = mx.random.normal((3, 2, n, 16), key=mx.random.key(rng.randrange(1 << 30)))
+    m = {
+        "none": None,
+        "causal": "causal",
+        "lengths": (mx.arange(n)[None] < mx.array([n, 7, 1])[:, None])[:, None, None],
+    }[mask]
+    assert decode_attention.foldable(q, k, m)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
+    got = decode_attention.folded(q, k, v, 0.25, m)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_only_one_token_rows_of_grouped_heads_are_folded():
+    q1, q4, k = mx.zeros((2, 8, 1, 16)), mx.zeros((2, 8, 4, 16)), mx.zeros((2, 2, 9, 16))
+    assert not decode_attention.foldable(q4, k, None)  # NOTE: a chunk: its rows see different keys
+    assert not decode_attention.foldable(mx.zeros((2, 2, 1, 16)), k, None)  # NOTE: no groups
+    assert not decode_attention.foldable(q1, k, mx.zeros((2, 8, 1, 9)))  # NOTE: a mask per head
+    assert decode_attention.foldable(q1, k, mx.zeros((2, 1, 1, 9)))
+
+
+def test_on_the_cpu_attention_folds_one_token_rows(monkeypatch):
+    """Off a fused decode, a one-token row with grouped heads takes `folded` on the CPU (the
+    default device here), and anything else still mlx-lm's attention."""
+    monkeypatch.setattr(decode_attention, "_fold_heads", lambda: True)
+    seen = []
+    monkeypatch.setattr(base, "scaled_dot_product_attention", lambda *a: seen.append(a) or "mlx-lm")
+    k = mx.random.normal((1, 2, 9, 16))
+    one = decode_attention.attention(mx.ones((1, 8, 1, 16)), k, k, object(), 0.5, None)
+    assert isinstance(one, mx.array) and one.shape == (1, 8, 1, 16) and not seen
+    chunk = mx.ones((1, 8, 4, 16))
+    assert decode_attention.attention(chunk, k, k, object(), 0.5, "causal") == "mlx-lm"
