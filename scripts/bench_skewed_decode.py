@@ -8,6 +8,7 @@ reads copied a step against the KV the rows hold (`KVPool.gathered_bytes`). `--s
 one EngineConfig field (e.g. `fused_decode=off` on a GPU, to time the gathered path).
 
   .venv/bin/python scripts/bench_skewed_decode.py --long-len 8000            # CPU, default model
+  .venv/bin/python scripts/bench_skewed_decode.py --long-len 8000 --unfolded # as before the fold
   python3 scripts/bench_skewed_decode.py --model /tmp/llama1b --set fused_decode=off
 """
 
@@ -32,6 +33,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--long-len", type=int, default=30000)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--set", action="append", default=[], help="EngineConfig field=value")
+    p.add_argument(
+        "--unfolded",
+        action="store_true",
+        help="one-token rows' query heads not folded on the CPU (decode_attention.folded)",
+    )
     return p.parse_args()
 
 
@@ -57,9 +63,12 @@ def main() -> None:
     from profile_scheduler import config_from
 
     from engine.sampling_params import SamplingParams
+    from scheduler_proc import decode_attention
     from scheduler_proc.model_loader import load_for_scheduler
     from scheduler_proc.scheduler import Scheduler
 
+    if args.unfolded:
+        decode_attention._fold_heads = lambda: False  # NOTE: as before the fold, to compare
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     config = config_from(args.set)
     model, eos = load_for_scheduler(args.model, config)
