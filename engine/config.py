@@ -154,10 +154,11 @@ class EngineConfig:
         "ops (MLX's matmul and softmax), fast (mx.fast.scaled_dot_product_attention)",
     )
     spec: str = _opt(
-        "off",
-        "Speculative decoding: off, ngram (prompt lookup: a row, greedy or sampled, proposes "
-        "what followed its last n tokens earlier in its prompt or output), draft (a smaller "
-        "model with the same tokenizer proposes, --draft-model); verified in the decode step",
+        "auto",
+        "Speculative decoding: auto (ngram on one device for a model whose KV can be rolled "
+        "back, else off), off, ngram (prompt lookup: a row, greedy or sampled, proposes what "
+        "followed its last n tokens earlier in its prompt or output), draft (a smaller model "
+        "with the same tokenizer proposes, --draft-model); verified in the decode step",
     )
     draft_model: str | None = _opt(
         None, "The draft model of --spec draft: a directory or ORG/NAME, the model's tokenizer"
@@ -288,14 +289,15 @@ class EngineConfig:
                 f"reasoning_parser must be auto, harmony or none, got {self.reasoning_parser}"
             )
         sizes = (self.spec_k, self.spec_ngram, self.spec_max_rows)
-        if self.spec not in ("off", "ngram", "draft") or min(sizes) < 1:
+        if self.spec not in ("auto", "off", "ngram", "draft") or min(sizes) < 1:
             raise ValueError(
-                "spec must be off, ngram or draft, spec_k, spec_ngram and spec_max_rows >= 1, "
+                "spec must be auto, off, ngram or draft, spec_k, spec_ngram and spec_max_rows "
+                ">= 1, "
                 f"got {self.spec}, {sizes}"
             )
         if (self.spec == "draft") != bool(self.draft_model):
             raise ValueError("--spec draft and --draft-model go together: a draft model drafts")
-        if self.spec != "off" and self.tp > 1:
+        if self.spec in ("ngram", "draft") and self.tp > 1:
             # NOTE: which rows speculate follows each rank's own step times (the pay rule), so
             # ranks disagree on a step's rows and the next collective hangs: with --tp 2 --spec
             # ngram a rank stalled 20 s and the engine died

@@ -63,12 +63,15 @@ class Speculator:
         """`draft`: the draft model of `--spec draft` (None: prompt lookup)."""
         self.k_max, self.ngram = config.spec_k, config.spec_ngram
         self.max_rows = config.spec_max_rows
-        self.on = config.spec != "off"
+        auto = config.spec == "auto"
+        # NOTE: `auto` is prompt lookup on one device: with --tp each rank's own pay rule
+        # (its step times) would pick different rows, and the next collective would hang
+        self.on = config.spec != "off" and not (auto and config.tp > 1)
         self.draft = draft
         self.proposed = self.accepted = self.steps = 0
         self.pace = Pace()
         if self.on and (layout.states or any(s.window is not None for s in layout.kv)):
-            log.warning(
+            (log.info if auto else log.warning)(
                 "speculative decoding off: the model's recurrent state or window rings cannot "
                 "be rolled back (only full-attention KV can)"
             )
@@ -76,7 +79,12 @@ class Speculator:
         elif self.on and draft is not None:
             log.info("speculative decoding: a draft model (k <= %d)", self.k_max)
         elif self.on:
-            log.info("speculative decoding: ngram (n <= %d, k <= %d)", self.ngram, self.k_max)
+            log.info(
+                "speculative decoding: ngram (n <= %d, k <= %d, --spec %s)",
+                self.ngram,
+                self.k_max,
+                config.spec,
+            )
 
     def active(self, req: Req) -> bool:
         """Whether `req` would speculate at its next fresh step (so its chain breaks). Any row

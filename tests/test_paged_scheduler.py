@@ -699,7 +699,10 @@ def test_agents_turn_after_turn_keep_the_chain(llama):
     its row back and the next turn is seated (its prefix hit shares every full page, a page two
     requests wrote included) without breaking the chain, and every reply is mlx-lm's. Before,
     each turn broke the chain twice (its finish, then its successor's seating)."""
-    sched = make_scheduler(llama, page_size=8, chunked_prefill_size=16, prefill_in_chain="on")
+    # NOTE: no speculation: a speculating row's step is followed by a fresh one by design
+    sched = make_scheduler(
+        llama, page_size=8, chunked_prefill_size=16, prefill_in_chain="on", spec="off"
+    )
     breaks = _agents(sched, llama, agents=6, turns=4)
     assert breaks["seat"] + breaks["finish"] <= 2, breaks
     stats = sched.stats()
