@@ -154,9 +154,9 @@ class EngineConfig:
         "ops (MLX's matmul and softmax), fast (mx.fast.scaled_dot_product_attention)",
     )
     spec: str = _opt(
-        "auto",
-        "Speculative decoding: auto (ngram on one device for a model whose KV can be rolled "
-        "back, else off), off, ngram (prompt lookup: a row, greedy or sampled, proposes what "
+        "off",
+        "Speculative decoding: off, auto (ngram on one device for a model whose KV can be "
+        "rolled back, else off), ngram (prompt lookup: a row, greedy or sampled, proposes what "
         "followed its last n tokens earlier in its prompt or output), draft (a smaller model "
         "with the same tokenizer proposes, --draft-model); verified in the decode step",
     )

@@ -172,9 +172,7 @@ class Scheduler:
         if drafts is not None:
             by_ops, split = self.runner.prefill_by_ops, not self.runner.fused_decode
             self.draft = Draft(draft, drafts, self.pool, self.vocab, by_ops, split)
-        self.spec = Speculator(
-            config, layout, self.draft
-        )  # NOTE: `--spec`; prompt lookup by default
+        self.spec = Speculator(config, layout, self.draft)  # NOTE: `--spec`; off by default
         self.grammars = Grammars(tokenizer_file, self.vocab, sorted(self.eos))
         self.overlap = not config.disable_overlap
         # NOTE: rows move while a decode step is in flight (`_move_in_flight`) only where a row

@@ -544,10 +544,10 @@ def test_the_default_model_repeating_a_text_accepts_most_proposals(default_model
 
 
 def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp_path):
-    """Prompt lookup (the default: no `--spec`) and `--spec draft` (the model as its own draft)
-    through `mlx-engine launch`: a greedy request whose prompt holds what the model goes on to
-    write gets proposals, accepted and counted on /metrics; its tokens equal those of the
-    engine with `--spec off`. (The scripted model writes its answer token by token, so a prompt of the answer's
+    """Prompt lookup (`--spec auto`) and `--spec draft` (the model as its own draft) through
+    `mlx-engine launch`: a greedy request whose prompt holds what the model goes on to write
+    gets proposals, accepted and counted on /metrics; its tokens equal those of the engine
+    without speculation (the default). (The scripted model writes its answer token by token, so a prompt of the answer's
     start, twice, is continued by the rest: found in the prompt.) Each counts under its own
     proposer."""
     import urllib.request
@@ -563,7 +563,7 @@ def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp
     kw = {"input_ids": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     outs, counts = [], []
     draft = ("--spec", "draft", "--draft-model", str(tiny_think_model_dir))
-    for i, args in enumerate((("--spec", "off"), (), draft)):
+    for i, args in enumerate(((), ("--spec", "auto"), draft)):
         engine = LaunchedEngine(tiny_think_model_dir, tmp_path / f"{i}.log", *args)
         try:
             engine.wait_ready()
@@ -615,10 +615,10 @@ def test_speculation_is_refused_with_tensor_parallel_and_says_why(spec, tmp_path
     EngineConfig(spec=spec, tp=1, **draft).validate()  # NOTE: one device: fine
 
 
-def test_by_default_prompt_lookup_runs_where_it_can(caplog):
-    """`--spec auto` (the default) is prompt lookup on one device for a model whose KV can be
-    rolled back; with --tp, or a sliding window, it is off without a warning (a user who asked
-    for nothing was refused nothing); `--spec off` is off."""
+def test_spec_auto_is_prompt_lookup_where_it_can_run(caplog):
+    """`--spec auto` is prompt lookup on one device for a model whose KV can be rolled back;
+    with --tp, or a sliding window, it is off without a warning (it asked for speculation only
+    where it runs); `--spec off`, the default, is off."""
     import logging
 
     from engine.config import EngineConfig
@@ -626,14 +626,14 @@ def test_by_default_prompt_lookup_runs_where_it_can(caplog):
 
     full = Layout.attention_only([LayerShape(2, 16, 16, mx.float32)] * 2)
     windowed = Layout.attention_only([LayerShape(2, 16, 16, mx.float32, window=8)] * 2)
-    assert EngineConfig().spec == "auto"
-    assert speculate.Speculator(EngineConfig(), full).on
-    assert not speculate.Speculator(EngineConfig(spec="off"), full).on
-    two = EngineConfig(tp=2)
+    auto = EngineConfig(spec="auto")
+    assert speculate.Speculator(auto, full).on
+    assert not speculate.Speculator(EngineConfig(), full).on
+    two = EngineConfig(spec="auto", tp=2)
     two.validate()
     assert not speculate.Speculator(two, full).on
     with caplog.at_level(logging.INFO, logger=speculate.log.name):
-        assert not speculate.Speculator(EngineConfig(), windowed).on
+        assert not speculate.Speculator(auto, windowed).on
         assert not speculate.Speculator(EngineConfig(spec="ngram"), windowed).on
     levels = [r.levelname for r in caplog.records if "cannot be rolled back" in r.message]
     assert levels == ["INFO", "WARNING"]
