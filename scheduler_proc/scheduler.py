@@ -771,6 +771,7 @@ class Scheduler:
         rolled back."""
         assert batch.proposals is not None
         rest, rest_lps = _ahead(batch.spec_out)
+        share = len(batch.rows) / max(sum(1 for p in batch.proposals if p), 1)
         for i, req in enumerate(batch.rows):
             proposal = batch.proposals[i] if i < len(batch.proposals) else None
             emitted = 0 if req.finished else 1
@@ -785,7 +786,7 @@ class Scheduler:
             # NOTE: written: the input and the proposal; kept: the input and what was accepted
             req.kv_len -= len(proposal) + 1 - max(emitted, 1)
             self.kv.trim(req)
-            self.spec.verified(req, proposal, max(emitted - 1, 0))
+            self.spec.verified(req, proposal, max(emitted - 1, 0), share)
 
     def _start_decoding(self, req: Req) -> None:
         """Its prompt is in the KV and its first token sampled: it joins the decode rows."""

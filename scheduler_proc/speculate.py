@@ -178,8 +178,16 @@ class Speculator:
         proposals = self.draft.propose([r for r, _ in drafting], [k for _, k in drafting])
         return {r.rid: self._valid(r, p) for (r, _), p in zip(drafting, proposals, strict=True)}
 
-    def verified(self, req: Req, proposal: list[int], accepted: int) -> None:
-        """Adapt the row's k to a step that proposed `proposal` and accepted `accepted` of it."""
+    def verified(self, req: Req, proposal: list[int], accepted: int, share: float = 1.0) -> None:
+        """Adapt the row's k to a step that proposed `proposal` and accepted `accepted` of it;
+        `share`: the step's rows per row that proposed (each such row pays that many rows'
+        part of what the speculating step cost beyond a plain one).
+
+        NOTE: a speculating step of n rows costs break_even plain steps, n * (break_even - 1)
+        tokens of plain decoding lost, so its proposing rows must gain that between them. Judged
+        by its own tokens alone (1 + accepted > break_even), one row of four accepting 13 % of
+        its proposals kept speculating and cost the batch: the default model's chat answers ran
+        0.95x at c4 (docs/benchmarks.md, session 55)."""
         row = req.spec
         if row is None:
             return
@@ -191,7 +199,7 @@ class Speculator:
         if accepted:
             full = accepted == len(proposal)
             row.k = min(self.k_max, row.k + 1 if full else max(accepted, 1))
-        if 1 + accepted > self.pace.break_even():
+        if accepted > (self.pace.break_even() - 1) * share:
             row.misses, row.off = 0, OFF_TOKENS
             return
         row.misses += 1

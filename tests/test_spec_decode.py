@@ -134,11 +134,11 @@ def _count_accepted(monkeypatch):
         accepted.steps = {}
         verified = speculate.Speculator.verified
 
-        def counted(self, req, proposal, n):
+        def counted(self, req, proposal, n, share=1.0):
             accepted[req.rid] = accepted.get(req.rid, 0) + n
             if proposal:
                 accepted.steps.setdefault(req.rid, []).append((len(proposal), n))
-            verified(self, req, proposal, n)
+            verified(self, req, proposal, n, share)
 
         monkeypatch.setattr(speculate.Speculator, "verified", counted)
         return accepted
@@ -637,3 +637,23 @@ def test_spec_auto_is_prompt_lookup_where_it_can_run(caplog):
         assert not speculate.Speculator(EngineConfig(spec="ngram"), windowed).on
     levels = [r.levelname for r in caplog.records if "cannot be rolled back" in r.message]
     assert levels == ["INFO", "WARNING"]
+
+
+def test_a_row_pays_for_the_rows_its_speculating_step_holds_back(monkeypatch):
+    """A speculating step costing 1.5 plain ones: a row accepting one token a step gains alone
+    (1 > 0.5 tokens lost), but as the only proposing row of four it must make up the half step
+    all four lost (2 tokens), so it stops after `MISSES_OFF` steps; shared by four proposing
+    rows, it gains again."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig
+    from scheduler_proc.kv_layout import LayerShape, Layout
+
+    monkeypatch.setattr(spec_pace.Pace, "break_even", lambda self: 1.5)
+    full = Layout.attention_only([LayerShape(2, 16, 16, mx.float32)] * 2)
+    spec = speculate.Speculator(EngineConfig(spec="ngram"), full)
+    for share, stops in ((1.0, False), (4.0, True), (1.0, False)):
+        req = SimpleNamespace(spec=speculate.RowSpec(None, 8), output_ids=[0] * 10)
+        for _ in range(speculate.MISSES_OFF):
+            spec.verified(req, [1, 2, 3], 1, share)
+        assert (req.spec.resume_at > len(req.output_ids)) == stops, share
