@@ -831,9 +831,11 @@ def _fold_heads() -> bool:
 
 def foldable(q: mx.array, k: mx.array, mask: mx.array | str | None) -> bool:
     """One query a row, whole query heads per KV head (more than one), and a mask that is the
-    same for every head of a row (None, "causal" at one query, or `(B, 1, 1, N)`)."""
+    same for every head of a row (None, "causal" at one query, `(B, 1, 1, N)`, or mlx-lm's
+    `(1, N)`)."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    same = mask is None or isinstance(mask, str) or (mask.shape[1] == 1 and mask.shape[2] == 1)
+    shape = (1, 1) if mask is None or isinstance(mask, str) else (1, 1, *mask.shape)
+    same = shape[-2] == 1 and (len(shape) < 5 or shape[-3] == 1)
     return q.shape[2] == 1 and heads > kv_heads and heads % kv_heads == 0 and same
 
 

@@ -374,7 +374,7 @@ def test_the_start_up_check_runs_the_models_own_head_shape(tiny_weights_dir, mon
     }.items() <= seen[-1].items()
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "lengths"])
+@pytest.mark.parametrize("mask", ["none", "causal", "lengths", "2-d"])
 def test_one_token_rows_attend_the_same_with_their_query_heads_folded(mask):
     """`folded` (the CPU's one-token rows: the query heads of a KV head as one product's rows)
     against MLX's attention as mlx-lm calls it; each KV head's keys differ, so a head read
@@ -388,6 +388,7 @@ def test_one_token_rows_attend_the_same_with_their_query_heads_folded(mask):
         "none": None,
         "causal": "causal",
         "lengths": (mx.arange(n)[None] < mx.array([n, 7, 1])[:, None])[:, None, None],
+        "2-d": mx.arange(n)[None] >= 3,  # NOTE: mlx-lm's window mask at one query: (1, N)
     }[mask]
     assert decode_attention.foldable(q, k, m)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=m)
@@ -402,6 +403,8 @@ def test_only_one_token_rows_of_grouped_heads_are_folded():
     assert not decode_attention.foldable(mx.zeros((2, 2, 1, 16)), k, None)  # NOTE: no groups
     assert not decode_attention.foldable(q1, k, mx.zeros((2, 8, 1, 9)))  # NOTE: a mask per head
     assert decode_attention.foldable(q1, k, mx.zeros((2, 1, 1, 9)))
+    assert decode_attention.foldable(q1, k, mx.zeros((1, 9)))
+    assert not decode_attention.foldable(q1, k, mx.zeros((8, 1, 9)))  # NOTE: per head again
 
 
 def test_on_the_cpu_attention_folds_one_token_rows(monkeypatch):
