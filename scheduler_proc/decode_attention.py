@@ -774,9 +774,7 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
             counts.prefill_ops += 1
             return prefill_attention.attention(queries, keys, values, scale, mask)
         counts.prefill_causal += isinstance(mask, str) and queries.shape[2] > 1
-        # NOTE: a quantized cache of mlx-lm's own (`bits`) hands keys as (codes, scales, biases)
-        plain = not hasattr(cache, "bits") and isinstance(keys, mx.array)
-        if plain and sinks is None and _fold_heads() and foldable(queries, keys, mask):
+        if _folds(queries, keys, mask, sinks):
             return folded(queries, keys, values, scale, mask)
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
     counts.calls += 1
@@ -804,7 +802,7 @@ def by_groups(q: mx.array, groups: Groups, scale: float, sinks: mx.array | None)
         counts.prefill_causal += causal
         counts.grouped += not causal
         rows = q[part.rows]
-        if sinks is None and _fold_heads() and foldable(rows, part.keys, part.mask):
+        if _folds(rows, part.keys, part.mask, sinks):
             outs.append(folded(rows, part.keys, part.values, scale, part.mask))
             continue
         outs.append(
@@ -829,13 +827,18 @@ def _fold_heads() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def _folds(q: mx.array, k: Any, mask: mx.array | str | None, sinks: mx.array | None) -> bool:
+    """Whether this attention call takes `folded`: on the CPU, without sinks (one per query
+    head), over plain keys (mlx-lm's own quantized cache hands (codes, scales, biases))."""
+    return sinks is None and isinstance(k, mx.array) and _fold_heads() and foldable(q, k, mask)
+
+
 def foldable(q: mx.array, k: mx.array, mask: mx.array | str | None) -> bool:
     """One query a row, whole query heads per KV head (more than one), and a mask that is the
     same for every head of a row (None, "causal" at one query, `(B, 1, 1, N)`, or mlx-lm's
-    `(1, N)`)."""
+    `(1, N)`): its query axis and its head axis, where it has them, of size 1."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    shape = (1, 1) if mask is None or isinstance(mask, str) else (1, 1, *mask.shape)
-    same = shape[-2] == 1 and (len(shape) < 5 or shape[-3] == 1)
+    same = not isinstance(mask, mx.array) or all(d == 1 for d in mask.shape[-3:-1])
     return q.shape[2] == 1 and heads > kv_heads and heads % kv_heads == 0 and same
 
 
