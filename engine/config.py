@@ -291,9 +291,8 @@ class EngineConfig:
         sizes = (self.spec_k, self.spec_ngram, self.spec_max_rows)
         if self.spec not in ("auto", "off", "ngram", "draft") or min(sizes) < 1:
             raise ValueError(
-                "spec must be auto, off, ngram or draft, spec_k, spec_ngram and spec_max_rows "
-                ">= 1, "
-                f"got {self.spec}, {sizes}"
+                "spec must be auto, off, ngram or draft, and spec_k, spec_ngram and "
+                f"spec_max_rows >= 1, got {self.spec}, {sizes}"
             )
         if (self.spec == "draft") != bool(self.draft_model):
             raise ValueError("--spec draft and --draft-model go together: a draft model drafts")

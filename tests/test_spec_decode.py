@@ -547,9 +547,9 @@ def test_a_launched_engine_counts_proposals_on_metrics(tiny_think_model_dir, tmp
     """Prompt lookup (`--spec auto`) and `--spec draft` (the model as its own draft) through
     `mlx-engine launch`: a greedy request whose prompt holds what the model goes on to write
     gets proposals, accepted and counted on /metrics; its tokens equal those of the engine
-    without speculation (the default). (The scripted model writes its answer token by token, so a prompt of the answer's
-    start, twice, is continued by the rest: found in the prompt.) Each counts under its own
-    proposer."""
+    without speculation (the default). (The scripted model writes its answer token by token,
+    so a prompt of the answer's start, twice, is continued by the rest: found in the prompt.)
+    Each counts under its own proposer."""
     import urllib.request
 
     from engine_harness import LaunchedEngine
